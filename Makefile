@@ -1,0 +1,35 @@
+# Two entry points: `make demo` and `make test`. Both install into .venv first if needed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+# constraints.txt is the resolved lock: same versions on every machine, `pip check` clean.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+	$(BIN)/pip check
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/tessera run configs/tiny.yaml
+	@echo
+	@echo "Results:"
+	@echo "  MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///.tessera/mlflow.db   (http://127.0.0.1:5000)"
+	@echo "  Prefect: PREFECT_HOME=.tessera/prefect $(BIN)/prefect server start           (http://127.0.0.1:4200)"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf .tessera

@@ -1,0 +1,95 @@
+"""`tessera`: run the pipeline or one of its stages from a shell.
+
+Known bad-input errors print one line naming the file, line or field and exit 2; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def _quiet_environment() -> None:
+    # Offline by design: never let HF libraries reach for the hub.
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+def _work_prefect_home(work_dir: str) -> None:
+    """Keep Prefect's database in the work dir, so `prefect server start` there shows these runs."""
+    if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
+        os.environ["PREFECT_HOME"] = str(Path(work_dir).resolve() / "prefect")
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from flows.recipe import RecipeError
+    from tasks.data.errors import DataError
+    from tasks.tracking import TrackingError
+
+    return (RecipeError, DataError, TrackingError)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
+    _work_prefect_home(recipe.work_dir)
+    from flows.pipeline import PipelineParams, pretrain_pipeline
+
+    result = pretrain_pipeline(PipelineParams(recipe=args.recipe, run_name=args.run_name))
+    last = result.registrations[-1] if result.registrations else None
+    print(
+        f"run {result.run_name}: {len(result.registrations)} model versions"
+        + (f"; latest=v{last.latest} best=v{last.best}" if last else "")
+        + f"; mlflow run {result.mlflow_run_id}"
+    )
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    _work_prefect_home(recipe.work_dir)
+    from flows.prepare import prepare_data
+
+    prepared = prepare_data(recipe.data)
+    for name, src in prepared.sources.items():
+        print(f"{name}: {src.documents} documents, {src.tokens} tokens -> {src.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="LLM pretraining pipeline on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="Run the whole pipeline on a recipe.")
+    run.add_argument("recipe", help="Recipe YAML, e.g. configs/tiny.yaml.")
+    run.add_argument("--run-name", default=None, help="Run name (default: the recipe's name); reusing it resumes.")
+    run.set_defaults(func=cmd_run)
+
+    prep = sub.add_parser("prepare", help="Tokenize the recipe's sources into MDS shards, and nothing else.")
+    prep.add_argument("recipe")
+    prep.set_defaults(func=cmd_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_environment()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _bad_input_types() as exc:
+        print(f"tessera: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from tasks.data.config import DataConfig
+
+__all__ = ["DataConfig"]

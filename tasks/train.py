@@ -1,0 +1,69 @@
+"""Train one curriculum stage as a job on the recipe's compute backend.
+
+The job itself (`python -m trainers.train`) resumes from the run's save folder, so a Prefect
+retry of this task is a relaunch that continues where the dead job stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from infra import backend_for
+from infra.config import ComputeConfig
+from trainers.config import TrainJob
+from trainers.exit_codes import FATAL, RETRYABLE
+
+
+class TrainingFailed(RuntimeError):
+    """A training job exited non-zero; `retryable` says whether relaunching can help."""
+
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def write_job(job: TrainJob, path: Path) -> Path:
+    """Publish the job spec atomically: a pod must never read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".job-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(job.model_dump_json(indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def _retry_if_retryable(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except TrainingFailed as exc:
+        return exc.retryable
+    except Exception:  # noqa: BLE001 - anything else (e.g. a launcher crash) may be transient
+        return True
+    return False
+
+
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_if_retryable, cache_policy=None)
+def train_stage(job_path: str, stage_index: int, stage_name: str, compute: ComputeConfig, log_dir: str) -> int:
+    """Run stage `stage_index` of the job to its end; returns the job's exit code (0)."""
+    logger = get_run_logger()
+    backend = backend_for(compute)
+    job = backend.launch(
+        "trainers.train", ["--job", job_path, "--stage", str(stage_index)], log_dir=Path(log_dir) / stage_name
+    )
+    logger.info("stage %s: launched %d rank(s), log at %s", stage_name, compute.procs_per_node, job.log_path)
+    try:
+        code = job.wait()
+    finally:
+        job.cancel()
+    if code != 0:
+        retryable = code not in FATAL and (code in RETRYABLE or code < 0)
+        kind = "retryable" if retryable else "fatal"
+        raise TrainingFailed(
+            f"stage {stage_name}: trainer exited with code {code} ({kind}); last log lines:\n{job.tail()}", retryable
+        )
+    return code

@@ -1,0 +1,34 @@
+"""Shared test fixtures: one Prefect harness per session, real MLflow stores under tmp dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# Keep Prefect, HF and MLflow quiet and offline for every test process.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """A real, temporary Prefect API (sqlite) shared by every test in the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture()
+def mlflow_uri(tmp_path) -> str:
+    """A fresh sqlite-backed MLflow tracking store and registry."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

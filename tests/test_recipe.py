@@ -1,0 +1,113 @@
+"""Recipe validation: the tiny recipe loads, and each kind of mistake names its file, line and field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from flows.recipe import RecipeError, load_recipe, parse_recipe
+from tests.conftest import ROOT
+
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def tiny_text() -> str:
+    return TINY.read_text()
+
+
+def test_tiny_recipe_loads_into_typed_sections():
+    recipe = load_recipe(TINY)
+    assert [s.name for s in recipe.data.sources] == ["literary", "stories"]
+    assert [s.mixture for s in recipe.train.stages] == [{"literary": 0.8, "stories": 0.2}, {"stories": 1.0}]
+    assert recipe.eval.every == 16384
+    assert recipe.model.n_layers == 2
+    assert recipe.tracking.tracking_uri.startswith("sqlite:///")
+    # the hash is a pure function of the content
+    assert recipe.content_hash() == parse_recipe(tiny_text()).content_hash()
+
+
+def test_hash_changes_with_content():
+    edited = tiny_text().replace("tokens: 16384", "tokens: 32768")
+    assert parse_recipe(edited).content_hash() != load_recipe(TINY).content_hash()
+
+
+def _error(text: str) -> str:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, "r.yaml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_mixture_not_summing_to_one_names_line_and_field():
+    text = tiny_text().replace("{literary: 0.8, stories: 0.2}", "{literary: 0.7, stories: 0.2}")
+    line = _line_of(text, "{literary: 0.7, stories: 0.2}")
+    assert _error(text) == f"r.yaml:{line}: train.stages.0.mixture: mixture proportions sum to 0.9, not 1"
+
+
+def test_mixture_naming_unknown_source():
+    text = tiny_text().replace("mixture: {stories: 1.0}", "mixture: {poems: 1.0}")
+    line = _line_of(text, "{poems: 1.0}")
+    assert _error(text) == f"r.yaml:{line}: train.stages.1.mixture: names no data source: poems"
+
+
+def test_unknown_key_is_rejected():
+    text = tiny_text().replace("  n_heads: 4\n", "  n_heads: 4\n  n_haeds: 4\n")
+    line = _line_of(text, "n_haeds")
+    assert _error(text) == f"r.yaml:{line}: model.n_haeds: Extra inputs are not permitted"
+
+
+def test_missing_required_section():
+    raw = yaml.safe_load(tiny_text())
+    del raw["tracking"]
+    assert _error(yaml.safe_dump(raw)) == "r.yaml: tracking: Field required"
+
+
+def test_wrong_type_names_field():
+    text = tiny_text().replace("global_batch_size: 8", "global_batch_size: eight")
+    line = _line_of(text, "global_batch_size: eight")
+    assert _error(text).startswith(f"r.yaml:{line}: train.global_batch_size: Input should be a valid integer")
+
+
+def test_eval_every_must_align_with_batches():
+    text = tiny_text().replace("every: 16384", "every: 1000")
+    line = _line_of(text, "every: 1000")
+    assert _error(text) == (
+        f"r.yaml:{line}: eval.every: 1000 is not a multiple of global_batch_size*seq_len (1024)"
+    )
+
+
+def test_heads_must_divide_width():
+    text = tiny_text().replace("n_heads: 4", "n_heads: 5")
+    assert "model: d_model (64) must be divisible by n_heads (5)" in _error(text)
+
+
+def test_invalid_yaml_names_line():
+    text = tiny_text().replace("  seq_len: 128", "  seq_len: [128")
+    message = _error(text)
+    assert message.startswith("r.yaml:") and "invalid YAML" in message
+
+
+def test_missing_file():
+    with pytest.raises(RecipeError, match=r"^nope\.yaml: recipe file not found$"):
+        load_recipe("nope.yaml")
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(tiny_text().replace("{literary: 0.8, stories: 0.2}", "{literary: 0.8}"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"tessera: error: {bad}:{_line_of(bad.read_text(), '{literary: 0.8}')}: "
+        "train.stages.0.mixture: mixture proportions sum to 0.8, not 1"
+    ]

@@ -1,0 +1,58 @@
+"""The checkpoint contract between the trainer and whoever watches it (the flow, `tessera eval`).
+
+Composer writes `<save_folder>/<name>.pt`. Only after that file is complete does the
+trainer publish a manifest `<save_folder>/manifests/tok-<tokens>.json` (temp file +
+rename), so a watcher never sees a half-written checkpoint. The manifest is the
+done-marker: a `.pt` without one is treated as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+MANIFEST_DIR = "manifests"
+
+
+class CheckpointInfo(BaseModel):
+    """A complete checkpoint, as published by the trainer."""
+
+    path: str = Field(..., description="Absolute path of the Composer checkpoint file.")
+    tokens: int = Field(..., description="Tokens seen since the start of the run.")
+    batch: int = Field(..., description="Optimizer steps since the start of the run.")
+    stage: str = Field(..., description="Name of the curriculum stage that produced it.")
+    stage_index: int = Field(..., description="0-based index of that stage.")
+
+
+def manifest_path(save_folder: str | Path, tokens: int) -> Path:
+    return Path(save_folder) / MANIFEST_DIR / f"tok-{tokens:012d}.json"
+
+
+def publish(save_folder: str | Path, info: CheckpointInfo) -> Path:
+    """Write the manifest for a checkpoint that is already complete on disk."""
+    target = manifest_path(save_folder, info.tokens)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(info.model_dump_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def list_complete(save_folder: str | Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under save_folder, oldest first; skips manifests whose file is gone."""
+    folder = Path(save_folder) / MANIFEST_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for manifest in sorted(folder.glob("tok-*.json")):
+        info = CheckpointInfo.model_validate(json.loads(manifest.read_text()))
+        if Path(info.path).is_file():
+            found.append(info)
+    return found

@@ -1,0 +1,140 @@
+"""Config sections owned by the trainer: `model` and `train`, plus the resolved job spec.
+
+The recipe's `model` and `train` sections validate into ModelConfig and TrainConfig.
+The flow resolves everything a pod needs (data paths, vocabulary size, checkpoint
+interval, tracking target) into one TrainJob JSON file; `python -m trainers.train`
+reads only that file, so a pod never sees the rest of the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """A Llama-style decoder (transformers LlamaConfig)."""
+
+    n_layers: PositiveInt = Field(2, description="Number of transformer blocks.")
+    d_model: PositiveInt = Field(64, description="Residual stream width.")
+    n_heads: PositiveInt = Field(4, description="Attention heads; d_model must divide evenly.")
+    n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads for GQA; defaults to n_heads.")
+    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden width; defaults to 8/3*d_model rounded to 64.")
+    tie_embeddings: bool = Field(True, description="Share the input embedding with the output projection.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
+        return self
+
+
+class OptimConfig(_Strict):
+    """AdamW with a warmup then decay schedule that spans the whole run, across stages."""
+
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    warmup_tokens: int = Field(0, ge=0, description="Linear warmup length in tokens, from the start of the run.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of peak.")
+    grad_clip_norm: float | None = Field(1.0, gt=0, description="Clip gradients to this global norm; null disables.")
+
+
+class StageConfig(_Strict):
+    """One curriculum stage: a token budget over a mixture of prepared sources."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Stage name, used in tags and paths.")
+    tokens: PositiveInt = Field(..., description="Tokens this stage trains on.")
+    mixture: dict[str, float] = Field(..., description="Source name -> proportion; proportions sum to 1.")
+
+    @model_validator(mode="after")
+    def _mixture_sums_to_one(self) -> "StageConfig":
+        if not self.mixture:
+            raise ValueError("mixture must name at least one source")
+        if any(p <= 0 for p in self.mixture.values()):
+            raise ValueError("mixture proportions must be > 0")
+        total = sum(self.mixture.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"mixture proportions sum to {total:g}, not 1")
+        return self
+
+
+class TrainConfig(_Strict):
+    """How to train: batch geometry, optimizer, seed and the curriculum."""
+
+    global_batch_size: PositiveInt = Field(8, description="Sequences per optimizer step, across all ranks.")
+    device_microbatch_size: PositiveInt | Literal["auto"] = Field(
+        8, description="Sequences per forward pass on one device; 'auto' lets Composer search (GPU only)."
+    )
+    seed: int = Field(17, description="Seed for init, data shuffling and dropout.")
+    precision: Literal["auto", "fp32", "amp_bf16"] = Field(
+        "auto", description="'auto' is amp_bf16 on GPU and fp32 on CPU."
+    )
+    keep_checkpoints: PositiveInt | None = Field(None, description="Keep the last K checkpoints; null keeps all.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    stages: list[StageConfig] = Field(..., min_length=1, description="Curriculum stages, trained in order.")
+
+    @model_validator(mode="after")
+    def _unique_stage_names(self) -> "TrainConfig":
+        names = [s.name for s in self.stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"stage names must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+
+class MlflowTarget(_Strict):
+    """Where the trainer logs metrics: an existing MLflow run, created by the flow."""
+
+    tracking_uri: str = Field(..., description="MLflow tracking URI.")
+    run_id: str = Field(..., description="The run to log into.")
+
+
+class TrainJob(_Strict):
+    """Everything one training job needs, resolved by the flow; the only input of trainers.train."""
+
+    run_name: str = Field(..., description="Run name; scopes checkpoint names for autoresume.")
+    model: ModelConfig
+    train: TrainConfig
+    vocab_size: PositiveInt = Field(..., description="Tokenizer vocabulary size (model embedding rows).")
+    eos_token_id: int = Field(..., ge=0, description="EOS id the data was packed with.")
+    seq_len: PositiveInt = Field(..., description="Tokens per packed sample.")
+    streams: dict[str, str] = Field(..., description="Source name -> prepared MDS directory (local path or URI).")
+    save_folder: str = Field(..., description="Checkpoint folder for the whole run (local path or URI).")
+    checkpoint_every_tokens: PositiveInt = Field(..., description="Save a checkpoint every this many tokens.")
+    tokenizer_dir: str | None = Field(None, description="HF tokenizer directory saved into checkpoints.")
+    mlflow: MlflowTarget | None = Field(None, description="Metrics destination; null logs to the console only.")
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.train.global_batch_size * self.seq_len
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainJob":
+        for stage in self.train.stages:
+            missing = sorted(set(stage.mixture) - set(self.streams))
+            if missing:
+                raise ValueError(f"stage {stage.name!r} mixes unknown sources: {', '.join(missing)}")
+            if stage.tokens % self.tokens_per_batch:
+                raise ValueError(
+                    f"stage {stage.name!r}: tokens ({stage.tokens}) must be a multiple of "
+                    f"global_batch_size*seq_len ({self.tokens_per_batch})"
+                )
+        if self.checkpoint_every_tokens % self.tokens_per_batch:
+            raise ValueError(
+                f"eval.every ({self.checkpoint_every_tokens}) must be a multiple of "
+                f"global_batch_size*seq_len ({self.tokens_per_batch})"
+            )
+        return self
