@@ -67,7 +67,8 @@ def test_unknown_key_is_rejected():
 def test_missing_required_section():
     raw = yaml.safe_load(tiny_text())
     del raw["tracking"]
-    assert _error(yaml.safe_dump(raw)) == "r.yaml: tracking: Field required"
+    # a missing key points at the mapping that should hold it
+    assert _error(yaml.safe_dump(raw)) == "r.yaml:1: tracking: Field required"
 
 
 def test_wrong_type_names_field():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -59,16 +59,17 @@ class StageConfig(_Strict):
     tokens: PositiveInt = Field(..., description="Tokens this stage trains on.")
     mixture: dict[str, float] = Field(..., description="Source name -> proportion; proportions sum to 1.")
 
-    @model_validator(mode="after")
-    def _mixture_sums_to_one(self) -> "StageConfig":
-        if not self.mixture:
+    @field_validator("mixture")
+    @classmethod
+    def _mixture_sums_to_one(cls, mixture: dict[str, float]) -> dict[str, float]:
+        if not mixture:
             raise ValueError("mixture must name at least one source")
-        if any(p <= 0 for p in self.mixture.values()):
+        if any(p <= 0 for p in mixture.values()):
             raise ValueError("mixture proportions must be > 0")
-        total = sum(self.mixture.values())
+        total = sum(mixture.values())
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"mixture proportions sum to {total:g}, not 1")
-        return self
+        return mixture
 
 
 class TrainConfig(_Strict):

@@ -1,16 +1,75 @@
-"""Exit codes of `python -m trainers.train`, so the launcher side knows whether a relaunch can help.
+"""Process exit codes of `python -m trainers.train`, the contract with whoever relaunches it.
 
-Codes follow sysexits where one fits. A process killed by a signal (negative code from
-Popen, or 128+N from a shell) is treated as retryable by the launcher side.
+A retryable failure is one where relaunching the same command can succeed because the
+trainer resumes from its last complete checkpoint (a peer died, a collective timed out,
+the node ran out of memory or was preempted). A fatal failure reproduces on relaunch
+(bad job file, NaN loss that rollback could not cure, an edited curriculum), so retrying
+only burns compute. The values avoid 1 (any uncaught Python exception), 2 (argparse usage
+errors) and 128+N (killed by signal N), so a supervisor never confuses them.
 """
 
-OK = 0
-# Bad job spec, bad data reference, unusable checkpoint policy: relaunching cannot fix it.
-CONFIG_ERROR = 78  # EX_CONFIG
-# The loss went NaN/inf and could not be recovered by rolling back.
-DIVERGED = 65  # EX_DATAERR
-# A peer vanished, a collective timed out, storage hiccuped: resume from the last checkpoint.
-RETRYABLE_FAILURE = 75  # EX_TEMPFAIL
+from __future__ import annotations
 
-FATAL = frozenset({CONFIG_ERROR, DIVERGED})
-RETRYABLE = frozenset({RETRYABLE_FAILURE})
+import errno
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    RETRYABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
+    FATAL = 78  # EX_CONFIG from sysexits.h: the input is wrong, do not retry
+
+
+# Sets, so a supervisor writes `code in FATAL`; more codes may join either set later.
+RETRYABLE: frozenset[int] = frozenset({ExitCode.RETRYABLE.value})
+FATAL: frozenset[int] = frozenset({ExitCode.FATAL.value})
+
+
+class FatalError(Exception):
+    """A failure that relaunching cannot fix. The message is printed as one line."""
+
+
+class RetryableError(Exception):
+    """A failure that relaunching (which resumes from the last checkpoint) can fix."""
+
+
+# Substrings of messages raised by torch.distributed / gloo / NCCL when a peer goes away
+# or a collective times out. They surface as RuntimeError / DistBackendError, so the type
+# alone does not tell a lost peer from a bug.
+_RETRYABLE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl error",
+    "ncclremoteerror",
+    "ncclsystemerror",
+    "ncclinternalerror",
+    "gloo",
+    "socket",
+    "store",
+    "cuda out of memory",
+    "ecc error",
+    "uncorrectable",
+)
+
+
+def classify(exc: BaseException) -> ExitCode:
+    """Map an exception that escaped training to the exit code a supervisor should see."""
+    if isinstance(exc, FatalError):
+        return ExitCode.FATAL
+    if isinstance(exc, RetryableError):
+        return ExitCode.RETRYABLE
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return ExitCode.RETRYABLE
+    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ENOSPC):
+        return ExitCode.RETRYABLE
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if any(marker in text for marker in _RETRYABLE_MARKERS):
+        return ExitCode.RETRYABLE
+    if isinstance(exc, (ValueError, TypeError, KeyError, FileNotFoundError)):
+        return ExitCode.FATAL
+    # Unknown errors are retried: the supervisor's retry budget bounds the cost, while a
+    # wrongly fatal code would stop a long run for a transient fault.
+    return ExitCode.RETRYABLE

@@ -1,0 +1,69 @@
+"""Shared helpers for the prepare-stage tests (no tests here)."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.data.config import DataConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NEOX = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
+SHAKESPEARE = ROOT / "data" / "corpora" / "tinyshakespeare" / "input.txt"
+STORIES_SAMPLE = ROOT / "data" / "corpora" / "tinystories" / "tinystories_sample.txt"
+EOS = 0
+
+
+@lru_cache(maxsize=2)
+def neox():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(NEOX))
+
+
+def expected_tokens(docs: list[str]) -> int:
+    """The tokenizer's count plus one EOS per document."""
+    return sum(len(e.ids) + 1 for e in neox().encode_batch(docs, add_special_tokens=False))
+
+
+def make_config(root, sources, seq_len=64, **kw) -> DataConfig:
+    return DataConfig.model_validate({
+        "root": str(root), "seq_len": seq_len, "tokenizer": kw.pop("tokenizer", {"path": str(NEOX)}),
+        "sources": sources, "workers": kw.pop("workers", 1), **kw,
+    })
+
+
+def read_tokens(path: str) -> np.ndarray:
+    """Every sample of an MDS directory through a plain StreamingDataset, in order, as (n, seq_len)."""
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(local=path, batch_size=1, shuffle=False, predownload=8)
+    rows = [np.asarray(ds[i]["tokens"]) for i in range(ds.num_samples)]
+    del ds
+    clean_stale_shared_memory()
+    return np.stack(rows) if rows else np.zeros((0, 0), np.uint16)
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def prov(out_root: str) -> dict:
+    with open(os.path.join(out_root, "provenance.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture()
+def tok_info(tmp_path_factory):
+    from tasks.data import tokenizer
+
+    cfg = make_config(tmp_path_factory.mktemp("tok"), [{"name": "x", "paths": ["x"]}]).tokenizer
+    return tokenizer.resolve(cfg, str(tmp_path_factory.mktemp("tokroot")), [], 1 << 20)

@@ -1,0 +1,124 @@
+"""The model: a Llama-style decoder built from `transformers`, plus its size presets and FLOPs.
+
+Shapes use B = batch, T = sequence length, D = d_model, H = heads, Hkv = key/value heads,
+F = SwiGLU hidden width, V = vocabulary size, L = layers.
+
+Per block (pre-norm, no biases, as in Llama):
+    x: (B, T, D)
+    h = x + Attn(RMSNorm(x))      q: (B, H, T, D/H)  k, v: (B, Hkv, T, D/H), RoPE on q and k
+    y = h + SwiGLU(RMSNorm(h))    gate, up: (B, T, F)  down: (B, T, D)
+The head is a final RMSNorm and an (optionally tied) D -> V projection.
+
+Why Llama and not GPT-2: RoPE needs no learned position table (so a stage may raise
+seq_len), RMSNorm and SwiGLU are what current open models use, and `transformers` ships
+an SDPA attention path that runs flash / memory-efficient kernels on GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainers.config import ModelConfig
+
+# Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
+# with the GPT-NeoX vocabulary of ~50k and tied embeddings). Per-block weights are
+# ~12*D^2 (4*D^2 attention + 3*D*F with F = 8/3*D), so n_params ~ 12*L*D^2 + V*D.
+#
+#   name    n_params   n_layers  d_model  n_heads  d_head  ffn_hidden
+#   tiny      ~3.3M        2        64       4       16       192     (unit tests)
+#   10m        ~30M        6       384       6       64      1024     (~10M non-embedding)
+#   125m      ~124M       12       768      12       64      2048     (GPT-3 Small)
+#   350m      ~355M       24      1024      16       64      2752     (GPT-3 Medium)
+#   1b        ~1.3B       24      2048      16      128      5504     (GPT-3 XL)
+#   7b        ~6.9B       32      4096      32      128     11008     (Llama-2 7B shape, untied)
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4),
+    "10m": ModelConfig(n_layers=6, d_model=384, n_heads=6),
+    "125m": ModelConfig(n_layers=12, d_model=768, n_heads=12),
+    "350m": ModelConfig(n_layers=24, d_model=1024, n_heads=16),
+    "1b": ModelConfig(n_layers=24, d_model=2048, n_heads=16),
+    "7b": ModelConfig(n_layers=32, d_model=4096, n_heads=32, ffn_hidden=11008, tie_embeddings=False),
+}
+
+
+def ffn_hidden(cfg: ModelConfig) -> int:
+    """SwiGLU width: 8/3*D keeps the 3-matrix MLP at the parameter count of a 4*D GELU MLP;
+    rounding up to a multiple of 64 keeps matmul tiles aligned on tensor cores."""
+    if cfg.ffn_hidden:
+        return cfg.ffn_hidden
+    return 64 * -(-(8 * cfg.d_model) // (3 * 64))
+
+
+def llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=ffn_hidden(cfg),
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+        max_position_embeddings=max_seq_len,
+        rope_theta=cfg.rope_theta,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        # Packed data has no padding; EOS separates documents, so pad = eos is only a label for generate().
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        attention_bias=False,
+        mlp_bias=False,
+        # Training never reuses past keys; the cache only costs memory.
+        use_cache=False,
+        # SDPA dispatches to flash / mem-efficient kernels on GPU and stays exact in fp32 on CPU.
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised decoder. The seed makes init identical on every rank and every relaunch."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(cfg, vocab_size, max_seq_len, eos_token_id))
+    return model
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs per token: forward + backward = 3x forward, each matmul 2 FLOPs per MAC."""
+
+    dense: int  # 6 * N, N = weights that take part in a matmul (the lm head counts, the lookup table does not)
+    attention: int  # 6 * 2 * L * T * D for QK^T and AV (PaLM appendix B convention, no causal discount)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.attention
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights that are multiplied per token. The input embedding is a gather, not a matmul, so it
+    only counts when tied (then it is the lm head too); norms are elementwise and negligible."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    if head is not embed:
+        total -= embed.numel()
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> FlopsPerToken:
+    """Analytic count, so it works for presets without building a 7B model on the meta device."""
+    d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
+    kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
+    per_block = d * d + 2 * d * kv_dim + d * d + 3 * d * f  # q, k, v, o, gate/up/down
+    n = L * per_block + vocab_size * d  # + lm head
+    return FlopsPerToken(dense=6 * n, attention=12 * L * seq_len * d)
+
+
+def total_params(cfg: ModelConfig, vocab_size: int) -> int:
+    d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
+    kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
+    per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
+    embeddings = vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return L * per_block + embeddings + d
