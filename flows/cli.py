@@ -7,6 +7,7 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -36,12 +37,33 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     return (RecipeError, DataError, TrackingError)
 
 
+class _NoTracebackForBadInput(logging.Filter):
+    """Prefect logs every task failure with its traceback; for bad input the one-line message is the story."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], _bad_input_types()):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _install_log_filter() -> None:
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if not any(isinstance(f, _NoTracebackForBadInput) for f in handler.filters):
+                handler.addFilter(_NoTracebackForBadInput())
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
     _work_prefect_home(recipe.work_dir)
     from flows.pipeline import PipelineParams, pretrain_pipeline
+
+    _install_log_filter()
 
     result = pretrain_pipeline(PipelineParams(recipe=args.recipe, run_name=args.run_name))
     last = result.registrations[-1] if result.registrations else None
@@ -60,6 +82,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     _work_prefect_home(recipe.work_dir)
     from flows.prepare import prepare_data
 
+    _install_log_filter()
     prepared = prepare_data(recipe.data)
     for name, src in prepared.sources.items():
         print(f"{name}: {src.documents} documents, {src.tokens} tokens -> {src.path}")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from flows.prepare import prepare_data
 from flows.recipe import Recipe, load_recipe
 from tasks.evaluate import evaluate_checkpoint
-from tasks.register import Registration, register_checkpoint
+from tasks.register import Registration, existing_registrations, register_checkpoint
 from tasks.tracking import close_run, open_run, resolved_uri
 from tasks.train import train_stage, write_job
 from trainers.checkpoints import CheckpointInfo, list_complete
@@ -48,7 +48,8 @@ class _CheckpointWatcher:
     def __init__(self, recipe: Recipe, run_id: str, max_seq_len: int):
         self.recipe, self.run_id, self.max_seq_len = recipe, run_id, max_seq_len
         self.seen: set[int] = set()
-        self.registrations: list[PrefectFuture] = []
+        self.registrations: list[PrefectFuture | Registration] = []
+        self.already = existing_registrations(recipe.tracking, run_id)
 
     def sweep(self, save_folder: Path) -> None:
         for ckpt in list_complete(save_folder):
@@ -57,18 +58,21 @@ class _CheckpointWatcher:
                 self._submit(ckpt)
 
     def _submit(self, ckpt: CheckpointInfo) -> None:
+        if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
+            self.registrations.append(self.already[ckpt.tokens])
+            return
         summary = evaluate_checkpoint.submit(
             ckpt, self.recipe.eval, self.recipe.tracking, self.run_id, self.max_seq_len
         )
         # Registration waits on the previous one so alias moves never interleave.
-        previous = self.registrations[-1:] or None
+        previous = [f for f in self.registrations[-1:] if isinstance(f, PrefectFuture)] or None
         registration = register_checkpoint.submit(
             ckpt, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(), wait_for=previous
         )
         self.registrations.append(registration)
 
     def results(self) -> list[Registration]:
-        return [f.result() for f in self.registrations]
+        return [f.result() if isinstance(f, PrefectFuture) else f for f in self.registrations]
 
 
 @flow(name="pretrain_pipeline", log_prints=True)

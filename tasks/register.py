@@ -68,6 +68,27 @@ def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
     return int(latest.version), int(best.version)
 
 
+def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, Registration]:
+    """tokens -> Registration for checkpoints of this run that are already registered."""
+    from mlflow.exceptions import MlflowException
+
+    client = client_for(tracking)
+    name = tracking.registered_model
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException:  # no registered model yet
+        return {}
+    return {
+        int(v.tags["tokens"]): Registration(
+            name=name, version=int(v.version), tokens=int(v.tags["tokens"]), created=False,
+            latest=int(aliases.get("latest", -1)), best=int(aliases.get("best", -1)),
+        )  # fmt: skip
+        for v in versions
+        if "tokens" in v.tags
+    }
+
+
 @task(retries=3, retry_delay_seconds=2)
 def register_checkpoint(
     checkpoint: CheckpointInfo,

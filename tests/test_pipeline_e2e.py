@@ -1,0 +1,91 @@
+"""The tiny recipe end to end on the real engine: Prefect, Streaming, Composer, the gauntlet, MLflow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_recipe_in(tmp_path) -> str:
+    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw["work_dir"] = str(tmp_path / "work")
+    raw["data"]["root"] = str(tmp_path / "work" / "data")
+    raw["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["tracking"]["artifact_location"] = str(tmp_path / "mlartifacts")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def _task_run_names(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+
+    async def fetch():
+        async with get_client() as client:
+            # task runs of the flow itself and of its subflows
+            subflows = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+            )
+            ids = [flow_run_id] + [f.id for f in subflows]
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id={"any_": ids}), task_run_filter=TaskRunFilter()
+            )
+            return [r.name for r in runs]
+
+    return asyncio.run(fetch())
+
+
+def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import PipelineParams, pretrain_pipeline
+
+    monkeypatch.chdir(ROOT)  # the recipe's data paths are relative to the project root
+    recipe = tiny_recipe_in(tmp_path)
+    state = pretrain_pipeline(PipelineParams(recipe=recipe), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+
+    # 48 steps of 1024 tokens, a checkpoint every 16384 tokens -> 3 evaluated, registered versions
+    tokens = [r.tokens for r in result.registrations]
+    assert tokens == [16384, 32768, 49152]
+    assert all(r.created for r in result.registrations)
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    versions = sorted(client.search_model_versions("name = 'tessera-tiny'"), key=lambda v: int(v.version))
+    assert [v.tags["tokens"] for v in versions] == ["16384", "32768", "49152"]
+    assert [v.tags["stage"] for v in versions] == ["literary", "literary", "stories"]
+    assert len({v.tags["recipe_hash"] for v in versions}) == 1
+    averages = {v.version: float(v.tags["gauntlet_average"]) for v in versions}
+    assert client.get_model_version_by_alias("tessera-tiny", "latest").tags["tokens"] == "49152"
+    best = client.get_model_version_by_alias("tessera-tiny", "best")
+    assert float(best.tags["gauntlet_average"]) == max(averages.values())
+
+    # training and gauntlet metrics on the one run, with step = tokens seen
+    run_id = result.mlflow_run_id
+    loss = client.get_metric_history(run_id, "train/loss")
+    assert loss and max(m.step for m in loss) == 49152
+    assert all(m.step % 1024 == 0 for m in loss)
+    assert client.get_metric_history(run_id, "throughput/tokens_per_sec")
+    gauntlet_keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("icl/")]
+    assert gauntlet_keys
+    assert sorted(m.step for m in client.get_metric_history(run_id, gauntlet_keys[0])) == [16384, 32768, 49152]
+
+    # Prefect saw the stages, one evaluate and one register per checkpoint
+    names = _task_run_names(state.state_details.flow_run_id)
+    assert sum(n.startswith("train_stage") for n in names) == 2
+    assert sum(n.startswith("evaluate_checkpoint") for n in names) == 3
+    assert sum(n.startswith("register_checkpoint") for n in names) == 3
+
+    # a rerun resumes everything: nothing is trained or registered twice
+    again = pretrain_pipeline(PipelineParams(recipe=recipe))
+    assert [r.tokens for r in again.registrations] == [16384, 32768, 49152]
+    assert not any(r.created for r in again.registrations)
+    assert len(client.search_model_versions("name = 'tessera-tiny'")) == 3
