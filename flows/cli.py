@@ -21,20 +21,25 @@ def _quiet_environment() -> None:
         os.environ.setdefault(var, "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # The temporary Prefect server migrates a fresh database on first start; 20 s is not enough on 2 cores.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def _work_prefect_home(work_dir: str) -> None:
     """Keep Prefect's database in the work dir, so `prefect server start` there shows these runs."""
     if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
-        os.environ["PREFECT_HOME"] = str(Path(work_dir).resolve() / "prefect")
+        home = Path(work_dir).resolve() / "prefect"
+        home.mkdir(parents=True, exist_ok=True)  # the server's sqlite cannot create its own folder
+        os.environ["PREFECT_HOME"] = str(home)
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from flows.recipe import RecipeError
     from tasks.data.errors import DataError
     from tasks.tracking import TrackingError
+    from tasks.train import TrainingFailed
 
-    return (RecipeError, DataError, TrackingError)
+    return (RecipeError, DataError, TrackingError, TrainingFailed)
 
 
 class _NoTracebackForBadInput(logging.Filter):
@@ -80,12 +85,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     _work_prefect_home(recipe.work_dir)
-    from flows.prepare import prepare_data
+    from flows.prepare import prepare_data, summarize
 
     _install_log_filter()
-    prepared = prepare_data(recipe.data)
-    for name, src in prepared.sources.items():
-        print(f"{name}: {src.documents} documents, {src.tokens} tokens -> {src.path}")
+    print(summarize(prepare_data(recipe.data)))
     return 0
 
 

@@ -110,7 +110,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     status = "FAILED"
     try:
         for k, stage in enumerate(recipe.train.stages):
-            training = train_stage.submit(
+            training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
                 str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), wait_for=None
             )
             while not training.state.is_final():

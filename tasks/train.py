@@ -11,12 +11,15 @@ import tempfile
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from infra import backend_for
 from infra.config import ComputeConfig
 from trainers.config import TrainJob
-from trainers.exit_codes import FATAL, RETRYABLE
+from trainers.exit_codes import FATAL
+
+USAGE_ERROR = 2  # argparse
 
 
 class TrainingFailed(RuntimeError):
@@ -47,7 +50,7 @@ def _retry_if_retryable(task, task_run, state) -> bool:
     return False
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_if_retryable, cache_policy=None)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_if_retryable, cache_policy=NO_CACHE)
 def train_stage(job_path: str, stage_index: int, stage_name: str, compute: ComputeConfig, log_dir: str) -> int:
     """Run stage `stage_index` of the job to its end; returns the job's exit code (0)."""
     logger = get_run_logger()
@@ -61,7 +64,9 @@ def train_stage(job_path: str, stage_index: int, stage_name: str, compute: Compu
     finally:
         job.cancel()
     if code != 0:
-        retryable = code not in FATAL and (code in RETRYABLE or code < 0)
+        # Signals (a node lost, an OOM kill) and unknown crashes resume from the last checkpoint;
+        # only the trainer's fatal codes and usage errors would fail the same way again.
+        retryable = code not in FATAL and code != USAGE_ERROR
         kind = "retryable" if retryable else "fatal"
         raise TrainingFailed(
             f"stage {stage_name}: trainer exited with code {code} ({kind}); last log lines:\n{job.tail()}", retryable
