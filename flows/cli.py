@@ -23,6 +23,7 @@ def _quiet_environment() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     # The temporary Prefect server migrates a fresh database on first start; 20 s is not enough on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry
 
 
 def _work_prefect_home(work_dir: str) -> None:

@@ -1,4 +1,4 @@
-"""Register an evaluated checkpoint as a model version and move the `latest` and `best` aliases.
+"""Register an evaluated checkpoint as a model version and move the `latest-checkpoint` and `best` aliases.
 
 A version is identified by (run id, tokens), so a retried or rerun task finds the version it
 already made instead of creating a second one.
@@ -55,16 +55,22 @@ def _ensure_registered_model(client, name: str) -> None:
                 raise
 
 
+# MLflow reserves the alias `latest` (models:/name/latest is built in and means the highest version
+# number), so the moving "latest" pointer is this alias instead.
+LATEST_ALIAS = "latest-checkpoint"
+BEST_ALIAS = "best"
+
+
 def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
-    """`latest`: this run's furthest checkpoint. `best`: the highest gauntlet average of any version."""
+    """LATEST_ALIAS: this run's furthest checkpoint. BEST_ALIAS: the highest gauntlet average of any version."""
     versions = client.search_model_versions(f"name = '{name}'")
     own = [v for v in versions if v.run_id == run_id]
     latest = max(own, key=lambda v: int(v.tags.get("tokens", -1)))
     scored = [v for v in versions if "gauntlet_average" in v.tags]
     # ties go to the later checkpoint: same score for more training is the better default
     best = max(scored, key=lambda v: (float(v.tags["gauntlet_average"]), int(v.tags.get("tokens", -1))))
-    client.set_registered_model_alias(name, "latest", latest.version)
-    client.set_registered_model_alias(name, "best", best.version)
+    client.set_registered_model_alias(name, LATEST_ALIAS, latest.version)
+    client.set_registered_model_alias(name, BEST_ALIAS, best.version)
     return int(latest.version), int(best.version)
 
 
@@ -82,7 +88,7 @@ def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, R
     return {
         int(v.tags["tokens"]): Registration(
             name=name, version=int(v.version), tokens=int(v.tags["tokens"]), created=False,
-            latest=int(aliases.get("latest", -1)), best=int(aliases.get("best", -1)),
+            latest=int(aliases.get(LATEST_ALIAS, -1)), best=int(aliases.get(BEST_ALIAS, -1)),
         )  # fmt: skip
         for v in versions
         if "tokens" in v.tags

@@ -1,0 +1,131 @@
+"""`tessera eval`: score any model on a gauntlet, optionally against a second one.
+
+`--model` is a Composer checkpoint, an HF model directory, or an MLflow model URI
+(`models:/name@alias`, `models:/name/3`). With `--compare-to`, both are scored and the
+report shows per-task deltas: the basis for promoting a checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field, PositiveInt
+
+from evaluation.config import EvalConfig
+
+
+class EvalParams(BaseModel):
+    """The form the Prefect UI shows for an eval run (and the CLI's flags)."""
+
+    model: str = Field(..., description="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.")
+    tasks: str = Field(..., description="ICL task list YAML (Mosaic Eval Gauntlet format).")
+    gauntlet: str | None = Field(None, description="Gauntlet YAML; null reports tasks only.")
+    data_root: str = Field(".", description="Root that task dataset_uri values resolve against (local or s3://).")
+    batch_size: PositiveInt = Field(16, description="Sequences per forward pass.")
+    max_seq_len: PositiveInt | None = Field(None, description="Left-truncate contexts to this; null: the model's.")
+    seed: int = Field(1234, description="Few-shot sampling seed.")
+    strict: bool = Field(False, description="Fail when a task file is missing instead of skipping it.")
+    tracking_uri: str | None = Field(None, description="MLflow tracking/registry URI for models:/ URIs.")
+    compare_to: str | None = Field(None, description="A second model (same forms as `model`) to compare against.")
+    output_dir: str | None = Field(None, description="Write report.md, report.json, report.html (and comparison.md) here.")
+
+
+class EvalOutcome(BaseModel):
+    average: float = Field(..., description="Headline score of `model`.")
+    metrics: dict[str, float] = Field(..., description="icl/..., gauntlet/... metrics of `model`.")
+    markdown: str = Field(..., description="The report table (and comparison, if any) as markdown.")
+    baseline_average: float | None = Field(None, description="Headline score of `compare_to`.")
+    files: list[str] = Field(default_factory=list, description="Report files written under output_dir.")
+
+
+@task(cache_policy=NO_CACHE, task_run_name="score-{model}")
+def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
+    """Load and score one model; returns an evaluation.GauntletReport."""
+    from evaluation.models import load_model
+    from evaluation.runner import run_gauntlet
+
+    loaded = load_model(model, tracking_uri)
+    return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
+
+
+@flow(name="tessera-eval", log_prints=True)
+def eval_flow(params: EvalParams) -> EvalOutcome:
+    from evaluation.html import render_html
+    from evaluation.report import compare_markdown
+
+    cfg = EvalConfig(
+        every=1,  # unused outside training
+        tasks=params.tasks,
+        gauntlet=params.gauntlet,
+        data_root=params.data_root,
+        batch_size=params.batch_size,
+        max_seq_len=params.max_seq_len,
+        seed=params.seed,
+        strict=params.strict,
+    )
+    report = score_model(params.model, cfg, params.tracking_uri)
+    markdown = report.to_markdown(f"Eval gauntlet: {params.model}")
+    baseline = None
+    comparison = None
+    if params.compare_to:
+        baseline = score_model(params.compare_to, cfg, params.tracking_uri)
+        comparison = compare_markdown(baseline, report, params.compare_to, params.model)
+        markdown = f"{markdown}\n{comparison}"
+    create_markdown_artifact(markdown=markdown, description=f"tessera eval of {params.model}")
+
+    files: list[str] = []
+    if params.output_dir:
+        out = Path(params.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {
+            "report.md": report.to_markdown(f"Eval gauntlet: {params.model}"),
+            "report.json": report.to_json(),
+            "report.html": render_html(report, f"Eval gauntlet: {params.model}"),
+        }
+        if comparison:
+            written["comparison.md"] = comparison
+        for name, text in written.items():
+            (out / name).write_text(text)
+            files.append(str(out / name))
+    print(markdown)
+    return EvalOutcome(
+        average=report.average,
+        metrics=report.metrics(),
+        markdown=markdown,
+        baseline_average=None if baseline is None else baseline.average,
+        files=files,
+    )
+
+
+def eval_command(
+    model: str,
+    tasks: str,
+    gauntlet: str | None = None,
+    data_root: str = ".",
+    *,
+    batch_size: int = 16,
+    max_seq_len: int | None = None,
+    seed: int = 1234,
+    strict: bool = False,
+    tracking_uri: str | None = None,
+    compare_to: str | None = None,
+    output_dir: str | None = None,
+) -> EvalOutcome:
+    """What `tessera eval` calls. Raises evaluation.GauntletError (one line) on bad input."""
+    params = EvalParams(
+        model=model,
+        tasks=tasks,
+        gauntlet=gauntlet,
+        data_root=data_root,
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        strict=strict,
+        tracking_uri=tracking_uri,
+        compare_to=compare_to,
+        output_dir=output_dir,
+    )
+    return eval_flow(params)
