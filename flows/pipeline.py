@@ -82,8 +82,6 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     run_name = params.run_name or recipe.name
     run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
 
-    prepared = prepare_data(recipe.data)
-
     run_id = open_run(
         recipe.tracking,
         run_name,
@@ -91,6 +89,8 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
         params={"seq_len": str(recipe.data.seq_len), "n_layers": str(recipe.model.n_layers),
                 "d_model": str(recipe.model.d_model), "stages": ",".join(s.name for s in recipe.train.stages)},
     )  # fmt: skip
+    # after open_run: a dead tracking server should stop the run before any compute is spent
+    prepared = prepare_data(recipe.data)
     job = TrainJob(
         run_name=run_name,
         model=recipe.model,

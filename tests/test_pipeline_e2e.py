@@ -26,16 +26,22 @@ def tiny_recipe_in(tmp_path) -> str:
 def _task_names(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+    from prefect.client.schemas.sorting import FlowRunSort, TaskRunSort
 
     async def fetch():
         async with get_client() as client:
             # task runs of the flow itself and of its subflows
             subflows = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])),
+                sort=FlowRunSort.ID_DESC,
+                limit=100,
             )
             ids = [flow_run_id] + [f.id for f in subflows]
             runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id={"any_": ids}), task_run_filter=TaskRunFilter()
+                flow_run_filter=FlowRunFilter(id={"any_": ids}),
+                task_run_filter=TaskRunFilter(),
+                sort=TaskRunSort.ID_DESC,
+                limit=500,
             )
             # task_key is "<function name>-<hash>", whatever task_run_name the run got
             return [r.task_key.rsplit("-", 1)[0] for r in runs]
