@@ -38,9 +38,10 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from flows.recipe import RecipeError
     from tasks.data.errors import DataError
     from tasks.tracking import TrackingError
+    from evaluation.errors import GauntletError
     from tasks.train import TrainingFailed
 
-    return (RecipeError, DataError, TrackingError, TrainingFailed)
+    return (RecipeError, DataError, TrackingError, TrainingFailed, GauntletError)
 
 
 class _NoTracebackForBadInput(logging.Filter):
@@ -93,6 +94,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    _work_prefect_home(args.work_dir)
+    from flows.evaluate import eval_command
+
+    _install_log_filter()
+    outcome = eval_command(
+        args.model, args.tasks, args.gauntlet, args.data_root,
+        batch_size=args.batch_size, max_seq_len=args.max_seq_len, seed=args.seed, strict=args.strict,
+        tracking_uri=args.tracking_uri, compare_to=args.compare_to, output_dir=args.output_dir,
+    )  # fmt: skip
+    print(f"average: {outcome.average:.4f}" + (f" (baseline {outcome.baseline_average:.4f})"
+                                                if outcome.baseline_average is not None else ""))  # fmt: skip
+    for path in outcome.files:
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="LLM pretraining pipeline on Prefect.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="Tokenize the recipe's sources into MDS shards, and nothing else.")
     prep.add_argument("recipe")
     prep.set_defaults(func=cmd_prepare)
+
+    ev = sub.add_parser("eval", help="Score a model on an Eval Gauntlet task list.")
+    ev.add_argument("--model", required=True,
+                    help="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.")
+    ev.add_argument("--tasks", required=True, help="ICL task list YAML (Mosaic Eval Gauntlet format).")
+    ev.add_argument("--gauntlet", default=None, help="Gauntlet YAML (categories, weighting, averages).")
+    ev.add_argument("--data-root", default=".", help="Root that each task's dataset_uri resolves against.")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--max-seq-len", type=int, default=None, help="Left-truncate contexts (default: the model's).")
+    ev.add_argument("--seed", type=int, default=1234, help="Few-shot sampling seed.")
+    ev.add_argument("--strict", action="store_true", help="A missing task file is an error, not a warning.")
+    ev.add_argument("--tracking-uri", default=None, help="MLflow URI used to resolve models:/ URIs.")
+    ev.add_argument("--compare-to", default=None, help="A second model; the report shows per-task deltas.")
+    ev.add_argument("--output-dir", default=None, help="Write report.md/.json/.html here.")
+    ev.add_argument("--work-dir", default=".tessera", help="Where Prefect keeps its local database.")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

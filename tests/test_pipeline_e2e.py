@@ -41,7 +41,7 @@ def _task_names(flow_run_id) -> list[str]:
                 flow_run_filter=FlowRunFilter(id={"any_": ids}),
                 task_run_filter=TaskRunFilter(),
                 sort=TaskRunSort.ID_DESC,
-                limit=500,
+                limit=200,
             )
             # task_key is "<function name>-<hash>", whatever task_run_name the run got
             return [r.task_key.rsplit("-", 1)[0] for r in runs]
