@@ -31,6 +31,8 @@ class EvalParams(BaseModel):
     tracking_uri: str | None = Field(None, description="MLflow tracking/registry URI for models:/ URIs.")
     compare_to: str | None = Field(None, description="A second model (same forms as `model`) to compare against.")
     output_dir: str | None = Field(None, description="Write report.md, report.json, report.html (and comparison.md) here.")
+    run_id: str | None = Field(None, description="Also log metrics, table and reports to this MLflow run (needs tracking_uri).")
+    step: int = Field(0, ge=0, description="MLflow step for those metrics: the model's training tokens.")
 
 
 class EvalOutcome(BaseModel):
@@ -75,6 +77,12 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         comparison = compare_markdown(baseline, report, params.compare_to, params.model)
         markdown = f"{markdown}\n{comparison}"
     create_markdown_artifact(markdown=markdown, description=f"tessera eval of {params.model}")
+    if params.run_id:
+        from evaluation.tracking import log_report
+
+        if not params.tracking_uri:
+            raise ValueError("run_id needs tracking_uri")
+        log_report(params.tracking_uri, params.run_id, report, step=params.step, title=f"Eval gauntlet: {params.model}")
 
     files: list[str] = []
     if params.output_dir:
@@ -113,6 +121,8 @@ def eval_command(
     tracking_uri: str | None = None,
     compare_to: str | None = None,
     output_dir: str | None = None,
+    run_id: str | None = None,
+    step: int = 0,
 ) -> EvalOutcome:
     """What `tessera eval` calls. Raises evaluation.GauntletError (one line) on bad input."""
     params = EvalParams(
@@ -127,5 +137,7 @@ def eval_command(
         tracking_uri=tracking_uri,
         compare_to=compare_to,
         output_dir=output_dir,
+        run_id=run_id,
+        step=step,
     )
     return eval_flow(params)

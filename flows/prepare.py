@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
@@ -24,9 +25,10 @@ def _progress_bars(data: DataConfig):
     """One tqdm bar per source (documents, with tokens alongside); silent when not on a terminal."""
     from tqdm.auto import tqdm
 
+    quiet = not sys.stderr.isatty()
     bars = {}
     for i, src in enumerate(data.sources):
-        bar = tqdm(desc=src.name, unit=" docs", position=i, leave=True, disable=None, dynamic_ncols=True)
+        bar = tqdm(desc=src.name, unit=" docs", position=i, leave=True, disable=quiet, dynamic_ncols=True)
         state = {"tokens": 0}
 
         def update(docs: int, tokens: int, bar=bar, state=state) -> None:

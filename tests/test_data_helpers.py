@@ -8,7 +8,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tasks.data.config import DataConfig
 
@@ -61,8 +60,8 @@ def prov(out_root: str) -> dict:
         return json.load(f)
 
 
-@pytest.fixture()
-def tok_info(tmp_path_factory):
+def neox_info(tmp_path_factory):
+    """The GPT-NeoX tokenizer resolved into a fresh root; modules wrap it as their `tok_info` fixture."""
     from tasks.data import tokenizer
 
     cfg = make_config(tmp_path_factory.mktemp("tok"), [{"name": "x", "paths": ["x"]}]).tokenizer

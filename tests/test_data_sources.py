@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,11 +18,16 @@ from tests.test_data_helpers import (
     expected_tokens,
     make_config,
     neox,
+    neox_info,
     prov,
     read_tokens,
-    tok_info,  # noqa: F401 (fixture)
     write_jsonl,
 )
+
+
+@pytest.fixture(scope="module")
+def tok_info(tmp_path_factory):
+    return neox_info(tmp_path_factory)
 
 
 def _prepare(tmp_path, tok, source, seq_len=64, **kw):
@@ -40,7 +48,7 @@ def test_text_blank_line_split_packs_exact_windows(tmp_path, tok_info):
     res = _prepare(tmp_path, tok_info, {"name": "shakespeare", "paths": [str(SHAKESPEARE)], "separator": "\n\n"},
                    seq_len=128)
     total = expected_tokens(docs)
-    assert res.documents == len(docs) == 7221
+    assert res.documents == len(docs) == 7222
     assert res.samples == total // 128
     assert res.tokens == res.samples * 128
     p = prov(res.root)
@@ -83,19 +91,27 @@ def test_jsonl_text_field_and_template(tmp_path, tok_info):
     assert (res.documents, res.samples) == (40, total // 8)
 
     res = _prepare(tmp_path, tok_info, {"name": "qa", "kind": "jsonl", "paths": [str(path)],
-                                        "template": "{question}\n{answer}"}, seq_len=8)
+                                        "template": "{question}\n{answer}"}, seq_len=8,
+                   compression="zstd", hashes=["sha1", "xxh64"])
     docs = [f"{r['question']}\n{r['answer']}" for r in recs]
     assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(docs)[: expected_tokens(docs) // 8 * 8])
+    (shard,) = json.loads((Path(res.path) / "index.json").read_text())["shards"]
+    assert shard["compression"] == "zstd" and set(shard["zip_data"]["hashes"]) == {"sha1", "xxh64"}
 
 
 def test_parquet_row_groups(tmp_path, tok_info):
     texts = [f"Parquet row number {i} says hello." for i in range(100)]
     pq.write_table(pa.table({"body": texts, "id": list(range(100))}), tmp_path / "a.parquet", row_group_size=30)
-    res = _prepare(tmp_path, tok_info, {"name": "pq", "kind": "parquet", "paths": [str(tmp_path / "*.parquet")],
-                                        "text_field": "body"}, seq_len=16)
-    assert prov(res.root)["format"]["units"] == 4  # one unit per row group
+    src = {"name": "pq", "kind": "parquet", "paths": [str(tmp_path / "*.parquet")], "text_field": "body"}
+    total = expected_tokens(texts)
+    res = _prepare(tmp_path, tok_info, src, seq_len=16)
     assert res.documents == 100
-    assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(texts)[: expected_tokens(texts) // 16 * 16])
+    assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(texts)[: total // 16 * 16])
+
+    # Small chunks: one part per row group, and still the same samples.
+    res = _prepare(tmp_path / "rg", tok_info, src, seq_len=16, chunk_bytes=100, workers=2)
+    assert prov(res.root)["format"]["parts"] == 4
+    assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(texts)[: total // 16 * 16])
 
 
 @pytest.mark.parametrize("builder", ["json", "parquet", "text", "folder", "json-streaming"])
@@ -142,16 +158,26 @@ def test_filters_caps_and_validation_split(tmp_path, tok_info):
     assert (again.val_documents, again.documents) == (res.val_documents, res.documents)
 
 
-def test_parallel_chunks_match_serial(tmp_path, tok_info):
+def test_parallel_chunks_match_serial_and_report_progress(tmp_path, tok_info):
     text = SHAKESPEARE.read_text()[:200_000]
     (tmp_path / "in.txt").write_text(text)
-    src = {"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}
-    serial = _prepare(tmp_path / "one", tok_info, src, seq_len=128, workers=1, chunk_bytes=40_000)
-    par = _prepare(tmp_path / "two", tok_info, src, seq_len=128, workers=2, chunk_bytes=40_000)
+    data = {n: make_config(tmp_path / n, [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
+                           seq_len=128, workers=w, chunk_bytes=40_000) for n, w in (("one", 1), ("two", 2))}
+    seen = {n: [0, 0] for n in data}
+
+    def progress(name):
+        def add(docs, tokens):
+            seen[name][0] += docs
+            seen[name][1] += tokens
+        return add
+
+    serial, par = (pipeline.prepare_source(d.sources[0], d, tok_info, progress=progress(n)) for n, d in data.items())
     assert prov(par.root)["format"]["parts"] == 5
     a, b = read_tokens(serial.path), read_tokens(par.path)
     assert np.array_equal(a, b)
     docs = [d for d in text.split("\n\n") if d.strip()]
     total = expected_tokens(docs)
     assert par.documents == len(docs) and prov(par.root)["counts"]["train"]["tokens"] == total
-    assert par.samples == total // 128  # tails are packed together, so only one final remainder is dropped
+    assert par.samples == total // 128  # packed in document order: only one final remainder is dropped
+    assert np.array_equal(b.reshape(-1), _concat(docs)[: b.size])
+    assert seen == {"one": [len(docs), total], "two": [len(docs), total]}

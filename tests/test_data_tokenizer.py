@@ -68,3 +68,20 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path):
     assert rows.dtype == np.uint32 and 66276 in rows
     index = json.loads((tmp_path / "out" / f"d-{res.hash}" / "train" / "index.json").read_text())
     assert index["shards"][0]["column_encodings"] == ["ndarray:uint32:4"]
+
+
+def test_bos_and_eos_wrap_every_document(tmp_path):
+    from tests.test_data_helpers import neox
+
+    docs = ["First document here.", "Second one, a bit longer than the first."]
+    f = tmp_path / "d.txt"
+    f.write_text("\n\n".join(docs))
+    data = make_config(tmp_path / "out", [{"name": "d", "paths": [str(f)], "separator": "\n\n"}], seq_len=2,
+                       tokenizer={"path": str(NEOX), "bos_token": "<|padding|>"})
+    info = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+    assert (info.bos_token_id, info.eos_token_id) == (1, 0)
+    res = pipeline.prepare_source(data.sources[0], data, info)
+    expected = [t for e in neox().encode_batch(docs, add_special_tokens=False) for t in [1, *e.ids, 0]]
+    assert read_tokens(res.path).reshape(-1).tolist() == expected[: len(expected) // 2 * 2]
+    plain = make_config(tmp_path / "out", [{"name": "d", "paths": [str(f)], "separator": "\n\n"}], seq_len=2)
+    assert tokenizer.output_dir(plain.tokenizer, plain.root, [], 1) != info.hf_dir  # the EOS/BOS policy is hashed

@@ -50,6 +50,11 @@ class OptimConfig(_Strict):
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of peak.")
     grad_clip_norm: float | None = Field(1.0, gt=0, description="Clip gradients to this global norm; null disables.")
+    decay_tokens: PositiveInt | None = Field(
+        None,
+        description="Token count where decay reaches min_lr_ratio; null uses the sum of all stages. "
+        "Set it when stages may be appended later, so that appending does not bend the schedule already run.",
+    )
 
 
 class StageConfig(_Strict):
@@ -58,6 +63,7 @@ class StageConfig(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Stage name, used in tags and paths.")
     tokens: PositiveInt = Field(..., description="Tokens this stage trains on.")
     mixture: dict[str, float] = Field(..., description="Source name -> proportion; proportions sum to 1.")
+    lr_scale: float = Field(1.0, gt=0, description="Multiplies the global schedule's LR while this stage trains.")
 
     @field_validator("mixture")
     @classmethod
@@ -70,6 +76,19 @@ class StageConfig(_Strict):
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"mixture proportions sum to {total:g}, not 1")
         return mixture
+
+
+class LossGuardConfig(_Strict):
+    """What to do when the loss goes NaN/inf or spikes: roll back to the last good checkpoint and skip data."""
+
+    enabled: bool = Field(True, description="Check every step's loss.")
+    spike_factor: float | None = Field(
+        None, gt=1, description="A loss above spike_factor x its running mean counts as a spike; null checks NaN/inf only."
+    )
+    warmup_steps: PositiveInt = Field(20, description="Steps before spike detection starts (the running mean settles).")
+    max_rollbacks: int = Field(
+        2, ge=0, description="Rollbacks allowed per run; one more bad loss exits with the fatal code. 0 fails at once."
+    )
 
 
 class TrainConfig(_Strict):
@@ -85,6 +104,14 @@ class TrainConfig(_Strict):
     )
     keep_checkpoints: PositiveInt | None = Field(None, description="Keep the last K checkpoints; null keeps all.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    data_canonical_nodes: PositiveInt = Field(
+        1,
+        description="Streaming num_canonical_nodes: fixes the global sample order independently of the "
+        "process count, so a run resumed on a different number of ranks sees the same samples.",
+    )
+    loss_guard: LossGuardConfig = Field(
+        default_factory=lambda: LossGuardConfig(), description="NaN / loss-spike detection and rollback."
+    )
     stages: list[StageConfig] = Field(..., min_length=1, description="Curriculum stages, trained in order.")
 
     @model_validator(mode="after")

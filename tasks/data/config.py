@@ -8,7 +8,7 @@ out of a recipe, in which case the source is a `text` source (the walking-skelet
 from __future__ import annotations
 
 import string
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
@@ -127,15 +127,19 @@ class HFSource(_Fields, _SourceBase):
     """Any Hugging Face `datasets` source, read with `datasets.load_dataset`."""
 
     kind: Literal["hf"] = Field(..., description="Source kind.")
-    path: str = Field(..., description='load_dataset path: a builder ("json", "parquet", "text"), a folder or a hub id.')
+    path: str = Field(
+        ..., description='load_dataset path: a builder ("json", "parquet", "text"), a folder or a hub id.'
+    )
     config: str | None = Field(None, description="Dataset configuration name (load_dataset's `name`).")
     split: str = Field("train", description="Split to read.")
-    data_files: list[str] | None = Field(None, description="Data files or globs for the split (load_dataset's data_files).")
+    data_files: list[str] | None = Field(
+        None, description="Data files or globs for the split (load_dataset's data_files)."
+    )
     revision: str | None = Field(None, description="Hub revision; pin it so the output hash is meaningful.")
     streaming: bool = Field(False, description="Iterate with streaming=True instead of building the Arrow cache.")
 
 
-SourceConfig = Annotated[Union[TextSource, JsonlSource, ParquetSource, HFSource], Field(discriminator="kind")]
+SourceConfig = Annotated[TextSource | JsonlSource | ParquetSource | HFSource, Field(discriminator="kind")]
 
 
 class DataConfig(_Strict):
@@ -143,7 +147,7 @@ class DataConfig(_Strict):
 
     root: str = Field(".tessera/data", description="Prepared MDS datasets go under <root>/<source>-<hash>.")
     seq_len: PositiveInt = Field(..., description="Tokens per packed training sample.")
-    tokenizer: TokenizerConfig
+    tokenizer: TokenizerConfig = Field(..., description="The tokenizer: a pretrained one, or trained on the sources.")
     sources: list[SourceConfig] = Field(..., min_length=1, description="The sources to prepare.")
     workers: PositiveInt | None = Field(None, description="Tokenizer processes; null uses every CPU core.")
     compression: Literal["zstd"] | None = Field(None, description="MDS shard compression.")

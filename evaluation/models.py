@@ -1,0 +1,132 @@
+"""Turning what `tessera eval --model M` names into a transformers model and tokenizer.
+
+M is a Composer checkpoint (.pt written through composer's HuggingFaceModel, HF config and
+tokenizer embedded), an HF model directory, or an MLflow model URI (`models:/name@alias`,
+`models:/name/3`) whose artifact is an HF model directory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from evaluation.errors import GauntletError
+
+_SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    max_seq_len: int
+    source: str
+
+
+def model_max_seq_len(model: Any, default: int = 2048) -> int:
+    cfg = getattr(model, "config", None)
+    for attr in _SEQ_LEN_ATTRS:
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def _from_hf_dir(path: Path, source: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), source)
+
+
+def _from_composer(path: str) -> LoadedModel:
+    import torch
+    from composer.models import HuggingFaceModel
+
+    # hf_from_composer_checkpoint builds the model without its weights and unpacks the tokenizer
+    # into the cwd; reading the file once and calling its two helpers avoids both.
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        hf_state = state["state"]["integrations"]["huggingface"]
+    except (KeyError, TypeError) as exc:
+        raise GauntletError(f"{path}: not a Composer HuggingFaceModel checkpoint (no HF config inside)") from exc
+    with tempfile.TemporaryDirectory(prefix="tessera-eval-tok-") as tmp:
+        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
+    if tokenizer is None:
+        raise GauntletError(f"{path}: checkpoint holds no tokenizer")
+    model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, state, None, {})
+    # Composer keys the wrapped module as `model.<hf key>`.
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state["state"]["model"].items()}, strict=True)
+    return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), path)
+
+
+def _hf_dir_under(root: Path) -> Path | None:
+    if (root / "config.json").is_file():
+        return root
+    for config in sorted(root.rglob("config.json")):
+        return config.parent
+    return None
+
+
+def _resolve_model_uri(client, uri: str):
+    """The model version a `models:/name@alias` or `models:/name/N` URI names."""
+    ref = uri.removeprefix("models:/")
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    name, _, version = ref.rpartition("/")
+    if not name or not version.isdigit():
+        raise GauntletError(f"{uri}: expected models:/name@alias or models:/name/<version>")
+    return client.get_model_version(name, version)
+
+
+def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri:
+        raise GauntletError(f"{uri}: an MLflow model URI needs a tracking URI (--tracking-uri or MLFLOW_TRACKING_URI)")
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    dest = tempfile.mkdtemp(prefix="tessera-eval-model-")
+    # Resolved through our own client: mlflow's models:/ download path falls back to the default
+    # tracking store and would create ./mlflow.db in the working directory.
+    try:
+        if uri.startswith("runs:/"):
+            run_id, _, path = uri.removeprefix("runs:/").partition("/")
+            local = client.download_artifacts(run_id, path, dest)
+        else:
+            source = _resolve_model_uri(client, uri).source
+            if source.startswith("runs:/"):
+                run_id, _, path = source.removeprefix("runs:/").partition("/")
+                local = client.download_artifacts(run_id, path, dest)
+            elif Path(source.removeprefix("file://")).is_dir():
+                local = source.removeprefix("file://")
+            else:
+                local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest, tracking_uri=tracking_uri)
+    except GauntletError:
+        raise
+    except Exception as exc:  # MlflowException for unknown names, versions or aliases
+        raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
+    hf_dir = _hf_dir_under(Path(local))
+    if hf_dir is None:
+        raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
+    return _from_hf_dir(hf_dir, uri)
+
+
+def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:
+    """Load M for scoring on CPU (or wherever the caller later moves it)."""
+    if spec.startswith("models:/") or spec.startswith("runs:/"):
+        return _from_mlflow(spec, tracking_uri)
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
+        return _from_hf_dir(path, spec)
+    if path.is_file():
+        return _from_composer(spec)
+    raise GauntletError(f"{spec}: no such checkpoint file, HF model directory or MLflow model URI")

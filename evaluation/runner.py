@@ -1,0 +1,144 @@
+"""run_gauntlet: the task list and gauntlet YAMLs, a model and a tokenizer in; a GauntletReport out."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from evaluation.aggregate import aggregate, benchmark_score
+from evaluation.config import EvalConfig
+from evaluation.errors import GauntletError
+from evaluation.prompts import PreparedSplit, Record, prepare_split, validate_records
+from evaluation.report import GauntletReport, TaskResult
+from evaluation.scoring import Throughput, generate_items, generation_correct, pad_id_of, score_choice_items
+from evaluation.sources import exists, read_jsonl, resolve
+from evaluation.spec import GauntletSpec, TaskSpec, load_gauntlet, load_tasks
+
+log = logging.getLogger(__name__)
+
+
+def _partitions(task: TaskSpec, records: list[Record]) -> dict[str | None, list[Record]]:
+    """llm-foundry scores each `category` as its own dataset (own few-shot pool and seed), sorted by name."""
+    if not task.has_categories:
+        return {None: records}
+    groups: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[r.data["category"]].append(r)
+    return {k: groups[k] for k in sorted(groups)}
+
+
+def score_split(model: Any, tokenizer: Any, task: TaskSpec, split: PreparedSplit, batch_size: int) -> tuple[float, Throughput]:
+    pad = pad_id_of(tokenizer)
+    if split.kind == "generation_task_with_answers":
+        outputs, stats = generate_items(
+            model, tokenizer, split.generation_items, batch_size, pad, split.max_new_tokens, task.early_stopping_criteria
+        )
+        hits = [
+            generation_correct(o, it.answers, task.early_stopping_criteria, task.cot_delimiter, task.do_normalization)
+            for o, it in zip(outputs, split.generation_items)
+        ]
+    else:
+        hits, stats = score_choice_items(model, split.choice_items, batch_size, pad, split.kind)
+    return (sum(hits) / len(hits) if hits else 0.0), stats
+
+
+def _find_files(tasks: list[TaskSpec], cfg: EvalConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """Task label -> resolved uri for tasks to run; label -> reason for tasks skipped."""
+    found, skipped, missing = {}, {}, []
+    for t in tasks:
+        if t.icl_task_type == "code_evaluation":
+            skipped[t.label] = "code_evaluation is not supported: it needs sandboxed code execution"
+            continue
+        uri = resolve(cfg.data_root, t.dataset_uri)
+        if exists(uri):
+            found[t.label] = uri
+        else:
+            missing.append(f"{t.label} ({uri})")
+            skipped[t.label] = "task file missing"
+    if missing:
+        msg = f"{len(missing)} task file(s) missing: {', '.join(missing)}"
+        if cfg.strict:
+            raise GauntletError(f"strict: {msg}")
+        log.warning(msg + "; skipped")
+    for label, why in skipped.items():
+        if why.startswith("code_evaluation"):
+            log.warning("task '%s' skipped: %s", label, why)
+    return found, skipped
+
+
+def run_gauntlet(model: Any, tokenizer: Any, cfg: EvalConfig, max_seq_len: int) -> GauntletReport:
+    """Score a transformers causal LM on `cfg.tasks`, aggregated by `cfg.gauntlet` when given."""
+    tasks = load_tasks(cfg.tasks)
+    spec: GauntletSpec | None = load_gauntlet(cfg.gauntlet) if cfg.gauntlet else None
+    return run_tasks(model, tokenizer, tasks, spec, cfg, max_seq_len)
+
+
+def run_tasks(
+    model: Any, tokenizer: Any, tasks: list[TaskSpec], spec: GauntletSpec | None, cfg: EvalConfig, max_seq_len: int
+) -> GauntletReport:
+    seq_len = cfg.max_seq_len or max_seq_len
+    found, skipped = _find_files(tasks, cfg)
+    was_training = getattr(model, "training", False)
+    model.eval()
+    results: list[TaskResult] = []
+    total = Throughput()
+    try:
+        for task in tasks:
+            if task.label not in found:
+                continue
+            uri = found[task.label]
+            records = validate_records(task, uri, read_jsonl(uri))
+            if not records:
+                skipped[task.label] = "task file has no records"
+                continue
+            parts = _partitions(task, records)
+            for n in task.num_fewshot:
+                per_cat: dict[str, float] = {}
+                accs, count = [], 0
+                for cat, recs in parts.items():
+                    split = prepare_split(
+                        task,
+                        uri,
+                        recs,
+                        tokenizer,
+                        n,
+                        task.max_seq_len or seq_len,
+                        cfg.seed if task.fewshot_random_seed is None else task.fewshot_random_seed,
+                        cat,
+                    )
+                    acc, stats = score_split(model, tokenizer, task, split, task.batch_size or cfg.batch_size)
+                    total.add(stats)
+                    accs.append(acc)
+                    count += len(split)
+                    if cat is not None:
+                        per_cat[cat] = acc
+                # The reference's benchmark score of a categorized task is the plain mean over categories.
+                results.append(TaskResult(task.label, n, task.icl_task_type, sum(accs) / len(accs), count, per_cat))
+                log.info("%s/%d-shot: %.4f over %d examples", task.label, n, results[-1].accuracy, count)
+    finally:
+        if was_training:
+            model.train()
+
+    report = GauntletReport(tasks=results, skipped=skipped, examples=total.examples, tokens=total.tokens, seconds=total.seconds)
+    if spec is not None:
+        scores = aggregate(
+            spec,
+            {(t.label, t.num_fewshot): t.accuracy for t in results},
+            {(t.label, t.num_fewshot): t.examples for t in results},
+        )
+        baselines = {(b.name, b.num_fewshot): b.random_baseline for c in spec.categories for b in c.benchmarks}
+        report.tasks = [
+            replace(
+                t,
+                random_baseline=baselines[k],
+                score=benchmark_score(t.accuracy, baselines[k], spec.subtract_random_baseline, spec.rescale_accuracy),
+            )
+            if (k := (t.label, t.num_fewshot)) in baselines
+            else t
+            for t in results
+        ]
+        report.categories, report.averages, report.benchmarks = scores.categories, scores.averages, scores.benchmarks
+        report.warnings = scores.warnings
+    return report

@@ -1,0 +1,82 @@
+"""Models whose answers are known in advance, for tests and benchmarks of the gauntlet.
+
+`bigram_model` is a transformers causal LM whose logits at a position depend only on the
+token there, through a table you write: `prefer={"is": "blue"}` makes "blue" the argmax
+after "is" with logit `strength`; every other logit is 0. Hand-computing an expected
+accuracy then needs only that table. `word_tokenizer` maps whitespace-separated words to
+ids, so a test reads in words.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+
+
+def word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate([*SPECIALS, *dict.fromkeys(words)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+class BigramConfig(PretrainedConfig):
+    model_type = "tessera_bigram"
+
+    def __init__(self, vocab_size: int = 8, max_position_embeddings: int = 512, **kwargs: Any):
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(**kwargs)
+
+
+class BigramLM(PreTrainedModel, GenerationMixin):
+    """logits[b, t] = table[input_ids[b, t]]; ignores attention and cache, which a bigram does not need."""
+
+    config_class = BigramConfig
+
+    def __init__(self, config: BigramConfig):
+        super().__init__(config)
+        self.table = nn.Parameter(torch.zeros(config.vocab_size, config.vocab_size), requires_grad=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        logits = self.table[input_ids]  # [B, T, V]
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]:
+        return {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask")}
+
+    def _supports_default_dynamic_cache(self) -> bool:  # no cache: every step re-reads the last token
+        return False
+
+
+def bigram_model(tokenizer: Any, prefer: dict[str, str], strength: float = 5.0) -> BigramLM:
+    vocab = tokenizer.get_vocab()
+    model = BigramLM(BigramConfig(vocab_size=len(vocab), pad_token_id=tokenizer.pad_token_id))
+    with torch.no_grad():
+        for src, dst in prefer.items():
+            model.table[vocab[src], vocab[dst]] = strength
+    return model.eval()
+
+
+def bigram_nll(vocab_size: int, strength: float, preferred: bool) -> float:
+    """Cross-entropy of one token under a bigram row: the closed form tests compare against."""
+    log_z = math.log(math.exp(strength) + vocab_size - 1)
+    return log_z - (strength if preferred else 0.0)

@@ -1,0 +1,48 @@
+"""Putting a GauntletReport on an MLflow run: metrics at step = tokens, a table, JSON and HTML."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from evaluation.html import History, render_html
+from evaluation.report import GauntletReport
+
+
+@dataclass(frozen=True)
+class LoggedReport:
+    table: str
+    json: str
+    html: str
+
+
+def _history(client, run_id: str, names: list[str]) -> dict[str, list[tuple[int, float]]]:
+    out = {}
+    for name in names:
+        points = {m.step: m.value for m in client.get_metric_history(run_id, name)}  # last write per step wins
+        out[name.removeprefix("gauntlet/")] = sorted(points.items())
+    return out
+
+
+def log_report(tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str) -> LoggedReport:
+    """Log metrics with step = tokens seen, then the per-task table and reports under `eval/`."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, float(value), now, step) for key, value in report.metrics().items()]
+    for i in range(0, len(metrics), 500):  # MLflow caps a batch at 1000 entries
+        client.log_batch(run_id, metrics=metrics[i : i + 500])
+
+    tag = f"tok-{step:012d}"
+    rows = report.table_rows()
+    table = {k: [r[k] for r in rows] for k in ("task", "shots", "type", "examples", "accuracy", "baseline", "score")}
+    paths = LoggedReport(f"eval/table-{tag}.json", f"eval/gauntlet-{tag}.json", f"eval/report-{tag}.html")
+    client.log_table(run_id, data=table, artifact_file=paths.table)
+    client.log_text(run_id, report.to_json(), paths.json)
+
+    series = [f"gauntlet/{k}" for k in [*report.averages, *report.categories]] or [f"icl/{t.key}" for t in report.tasks]
+    history: History = _history(client, run_id, series) if series else {}
+    client.log_text(run_id, render_html(report, title, history), paths.html)
+    return paths

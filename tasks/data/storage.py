@@ -1,0 +1,182 @@
+"""Listing, fingerprinting and reading input files, local or on S3.
+
+S3 goes through boto3 with the endpoint from `S3_ENDPOINT_URL` (or `AWS_ENDPOINT_URL`), the same
+variable Streaming honours, so a local S3-compatible server works unchanged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tasks.data.errors import DataError
+
+_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """One input file and what identifies its contents without reading them."""
+
+    path: str
+    size: int
+    version: str  # mtime_ns locally, the ETag on S3
+
+
+def is_s3(path: str) -> bool:
+    return path.startswith("s3://")
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+@lru_cache(maxsize=1)
+def _s3_client():
+    import boto3
+
+    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or None
+    return boto3.session.Session().client("s3", endpoint_url=endpoint)
+
+
+def _has_magic(p: str) -> bool:
+    return glob.has_magic(p)
+
+
+def _list_s3(pattern: str) -> list[FileRef]:
+    bucket, key = _split_s3(pattern)
+    magic = _has_magic(key)
+    prefix = key[: min((key.find(c) for c in "*?[" if c in key), default=len(key))] if magic else key
+    out = []
+    try:
+        for page in _s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                k = obj["Key"]
+                if k.endswith("/"):
+                    continue
+                if magic and not fnmatch.fnmatchcase(k, key):
+                    continue
+                # A plain prefix names either one object or a "folder" of them.
+                if not magic and k != key and not (key == "" or key.endswith("/") or k.startswith(key + "/")):
+                    continue
+                out.append(FileRef(f"s3://{bucket}/{k}", int(obj["Size"]), obj["ETag"].strip('"')))
+    except Exception as exc:  # botocore raises many types; all mean "cannot list"
+        raise DataError(pattern, f"cannot list S3 objects ({type(exc).__name__}: {exc})") from exc
+    return out
+
+
+def expand(patterns: list[str]) -> list[FileRef]:
+    """Resolve files, globs and S3 prefixes to files, sorted within each pattern, deduplicated."""
+    seen: dict[str, FileRef] = {}
+    for pattern in patterns:
+        if is_s3(pattern):
+            refs = _list_s3(pattern)
+            if not refs:
+                raise DataError(pattern, "no S3 objects match")
+        else:
+            if _has_magic(pattern):
+                names = sorted(glob.glob(pattern, recursive=True))
+                names = [n for n in names if not os.path.isdir(n)]
+                if not names:
+                    raise DataError(pattern, "glob matches no files")
+            else:
+                names = [pattern]
+            refs = [_stat(n) for n in names]
+        for r in refs:
+            seen.setdefault(r.path, r)
+    return list(seen.values())
+
+
+def _stat(path: str) -> FileRef:
+    if not os.path.exists(path):
+        raise DataError(path, "no such file")
+    if os.path.isdir(path):
+        raise DataError(path, "is a directory, not a file (use a glob such as dir/*.txt)")
+    if not os.access(path, os.R_OK):
+        raise DataError(path, "cannot read file (permission denied)")
+    st = os.stat(path)
+    return FileRef(path, st.st_size, str(st.st_mtime_ns))
+
+
+def read_blocks(path: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+    """Yield the bytes of [start, end) in blocks, without holding the whole range."""
+    if is_s3(path):
+        bucket, key = _split_s3(path)
+        rng = f"bytes={start}-" + ("" if end is None else str(end - 1))
+        try:
+            body = _s3_client().get_object(Bucket=bucket, Key=key, Range=rng)["Body"]
+        except Exception as exc:
+            raise DataError(path, f"cannot read S3 object ({type(exc).__name__}: {exc})") from exc
+        yield from body.iter_chunks(_BLOCK)
+        return
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise DataError(path, f"cannot read file ({exc.strerror})") from exc
+    with f:
+        f.seek(start)
+        remaining = None if end is None else end - start
+        while remaining is None or remaining > 0:
+            block = f.read(_BLOCK if remaining is None else min(_BLOCK, remaining))
+            if not block:
+                return
+            if remaining is not None:
+                remaining -= len(block)
+            yield block
+
+
+def read_range(path: str, start: int, length: int) -> bytes:
+    return b"".join(read_blocks(path, start, start + length))
+
+
+def local_copy(path: str, dest_dir: str) -> str:
+    """A local path for `path`: itself when local, else a download into dest_dir."""
+    if not is_s3(path):
+        return path
+    bucket, key = _split_s3(path)
+    dest = os.path.join(dest_dir, key.replace("/", "_"))
+    try:
+        _s3_client().download_file(bucket, key, dest)
+    except Exception as exc:
+        raise DataError(path, f"cannot read S3 object ({type(exc).__name__}: {exc})") from exc
+    return dest
+
+
+def find_boundaries(ref: FileRef, sep: bytes, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Cut a file into byte ranges of about chunk_bytes that each end just after a `sep`.
+
+    UTF-8 is self-synchronising, so a byte match of an encoded separator is always at a
+    character boundary and every range decodes on its own.
+    """
+    if ref.size <= chunk_bytes:
+        return [(0, ref.size)]
+    cuts = [0]
+    target = chunk_bytes
+    while target < ref.size:
+        pos, window, found = target, 1 << 16, -1
+        while pos < ref.size:
+            buf = read_range(ref.path, pos, window + len(sep) - 1)
+            i = buf.find(sep)
+            if i >= 0:
+                found = pos + i + len(sep)
+                break
+            pos += window
+        if found < 0 or found >= ref.size:
+            break
+        cuts.append(found)
+        target = found + chunk_bytes
+    cuts.append(ref.size)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def line_of(path: str, offset: int) -> int:
+    """1-based line number of byte `offset`; only used to word error messages."""
+    n = 1
+    for block in read_blocks(path, 0, offset):
+        n += block.count(b"\n")
+    return n

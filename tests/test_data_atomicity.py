@@ -1,0 +1,81 @@
+"""A run killed mid-way leaves nothing that looks complete, and the next run finishes the work."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tasks.data import outputs, pipeline, tokenizer
+from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov, read_tokens
+
+SCRIPT = """
+import sys
+from tasks.data.config import DataConfig
+from tasks.data import pipeline, tokenizer
+data = DataConfig.model_validate_json(open(sys.argv[1]).read())
+tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+pipeline.prepare_source(data.sources[0], data, tok)
+"""
+
+
+def _setup(tmp_path, copies: int):
+    text = SHAKESPEARE.read_text() * copies
+    (tmp_path / "in.txt").write_text(text)
+    data = make_config(tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
+                       seq_len=128)
+    # Resolved here so the child's only staged output is the source (the fault hook is not selective).
+    tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+    cfg = tmp_path / "data.json"
+    cfg.write_text(data.model_dump_json())
+    docs = [d for d in text.split("\n\n") if d.strip()]
+    return data, cfg, docs
+
+
+def _spawn(cfg, **env):
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(cfg)], cwd=ROOT, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish_and_check(data, docs):
+    tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+    res = pipeline.prepare_source(data.sources[0], data, tok)
+    total = expected_tokens(docs)
+    assert not res.cached
+    assert prov(res.root)["counts"]["train"]["tokens"] == total
+    assert read_tokens(res.path).shape == (total // 128, 128)
+    assert glob.glob(os.path.join(data.root, ".s-*")) == []  # the dead run's staging is cleared
+    return res
+
+
+@pytest.mark.slow  # a child interpreter importing the stack
+def test_sigkill_while_writing_leaves_no_output(tmp_path):
+    data, cfg, docs = _setup(tmp_path, copies=1)
+    proc = _spawn(cfg)
+    deadline = time.time() + 120
+    while not glob.glob(os.path.join(data.root, ".s-*", "train")):  # the writer has started
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    plan = pipeline.plan(data.sources[0], data, tokenizer.resolve(data.tokenizer, data.root, [], data.chunk_bytes))
+    assert not os.path.exists(plan.out) and len(glob.glob(os.path.join(data.root, ".s-*"))) == 1
+    assert pipeline.cached_result(plan) is None
+    _finish_and_check(data, docs)
+
+
+@pytest.mark.slow
+def test_killed_after_rename_before_done_marker_is_redone(tmp_path):
+    data, cfg, docs = _setup(tmp_path, copies=1)
+    proc = _spawn(cfg, TESSERA_FAULT="renamed")
+    assert proc.wait(timeout=300) == 137, proc.stderr.read().decode()[-2000:]
+    (out,) = glob.glob(os.path.join(data.root, "s-*"))
+    assert os.path.isfile(os.path.join(out, "provenance.json")) and not outputs.is_done(out)
+    res = _finish_and_check(data, docs)
+    assert res.root == out and outputs.is_done(out)

@@ -1,0 +1,184 @@
+"""The gauntlet on real checkpoints: Composer .pt, HF directory, MLflow model URI; Prefect and MLflow outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from evaluation.config import EvalConfig
+from evaluation.runner import run_gauntlet
+from tasks.tracking_config import TrackingConfig
+from trainers.checkpoints import CheckpointInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
+LOCAL_DATA = ROOT / "data" / "gauntlet" / "eval" / "local_data"
+
+
+def _tokenizer():
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>", pad_token="<|padding|>"
+    )
+
+
+def _llama(vocab: int, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def small_gauntlet(tmp_path_factory) -> EvalConfig:
+    """The demo's tiny YAMLs over the first 12 records of each file, so every test scores in a second."""
+    root = tmp_path_factory.mktemp("gauntlet")
+    for rel in ("language_understanding/lambada_openai_small.jsonl", "commonsense_reasoning/copa.jsonl",
+                "language_understanding/winograd_wsc.jsonl"):  # fmt: skip
+        dest = root / "eval" / "local_data" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("\n".join((LOCAL_DATA / rel).read_text().split("\n")[:12]) + "\n")
+    return EvalConfig(
+        every=1,
+        tasks=str(ROOT / "configs" / "gauntlet" / "tiny_tasks.yaml"),
+        gauntlet=str(ROOT / "configs" / "gauntlet" / "tiny_gauntlet.yaml"),
+        data_root=str(root),
+    )
+
+
+@pytest.fixture(scope="module")
+def composer_checkpoint(tmp_path_factory):
+    """A checkpoint written by Composer's Trainer around HuggingFaceModel, tokenizer embedded; and its model."""
+    from composer import Trainer
+    from composer.models import HuggingFaceModel
+
+    tok = _tokenizer()
+    model = _llama(len(tok), seed=3)
+    ids = torch.randint(2, 1000, (4, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    folder = tmp_path_factory.mktemp("ckpt")
+    trainer = Trainer(
+        model=HuggingFaceModel(model, tokenizer=tok, use_logits=True),
+        train_dataloader=torch.utils.data.DataLoader(data, batch_size=4),
+        max_duration="1ba",
+        save_folder=str(folder),
+        save_filename="ba{batch}.pt",
+        save_interval="1ba",
+        device="cpu",
+        progress_bar=False,
+        loggers=[],
+    )
+    trainer.fit()
+    trainer.close()
+    return folder / "ba1.pt", model.eval(), tok
+
+
+def _prefect_artifact(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, TaskRunFilter
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            flow_run_filter=FlowRunFilter(),
+            task_run_filter=TaskRunFilter(),
+            offset=0,
+            limit=1,
+            sort=ArtifactSort.CREATED_DESC,
+        )
+    assert found, f"no Prefect artifact {key}"
+    return found[0]
+
+
+@pytest.fixture()
+def mlflow_run(mlflow_uri, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    exp = client.create_experiment("eval-test", artifact_location=str(tmp_path / "artifacts"))
+    return client, client.create_run(exp).info.run_id
+
+
+def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint,
+                                                        small_gauntlet):  # fmt: skip
+    from prefect import flow
+
+    from tasks.evaluate import artifact_key, evaluate_checkpoint
+
+    path, trained, tok = composer_checkpoint
+    client, run_id = mlflow_run
+    info = CheckpointInfo(path=str(path), tokens=4096, batch=1, stage="s0", stage_index=0)
+    tracking = TrackingConfig(tracking_uri=mlflow_uri, registered_model="m")
+    later = info.model_copy(update={"tokens": 8192})
+
+    # Inside a flow, as the pipeline runs it: Prefect keeps artifacts of flow runs only.
+    @flow(name="eval-test")
+    def two_checkpoints():
+        return [evaluate_checkpoint(c, small_gauntlet, tracking, run_id, 128) for c in (info, later)]
+
+    summary, second = two_checkpoints()
+
+    # The checkpoint's weights were loaded: same scores as the in-memory model that trained.
+    expected = run_gauntlet(trained, tok, small_gauntlet, 128)
+    assert summary.metrics == pytest.approx(expected.metrics())
+    assert summary.average == pytest.approx(expected.averages["core_average"])
+    assert set(summary.metrics) == {
+        "icl/lambada_openai_small/0-shot", "icl/copa/0-shot", "icl/winograd/0-shot",
+        "gauntlet/commonsense_reasoning", "gauntlet/language_understanding", "gauntlet/core_average",
+    }  # fmt: skip
+
+    history = client.get_metric_history(run_id, "gauntlet/core_average")
+    assert sorted((m.step, m.value) for m in history) == [
+        (4096, pytest.approx(summary.average)),
+        (8192, pytest.approx(second.average)),
+    ]
+    files = {f.path for f in client.list_artifacts(run_id, "eval")}
+    assert {summary.report_html, summary.report_json, summary.table} <= files
+    table = json.loads(Path(client.download_artifacts(run_id, summary.table)).read_text())
+    assert table["columns"][:2] == ["task", "shots"] and len(table["data"]) == 3
+    html = Path(client.download_artifacts(run_id, second.report_html)).read_text()
+    # the later report plots and tabulates both checkpoints
+    assert "data:image/png;base64," in html and "<td>4096</td>" in html and "<td>8192</td>" in html
+
+    artifact = _prefect_artifact(artifact_key(4096))
+    assert "| copa | 0 | multiple_choice |" in artifact.data
+
+
+def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_run, mlflow_uri, small_gauntlet, tmp_path,
+                                                       monkeypatch):  # fmt: skip
+    from flows.evaluate import eval_command
+
+    monkeypatch.chdir(tmp_path)  # nothing may fall back to a default ./mlflow.db
+
+    client, run_id = mlflow_run
+    tok = _tokenizer()
+    hf_a, hf_b = tmp_path / "a", tmp_path / "b"
+    for seed, out in ((1, hf_a), (2, hf_b)):
+        _llama(len(tok), seed).save_pretrained(out)
+        tok.save_pretrained(out)
+    client.log_artifacts(run_id, str(hf_a), "checkpoints/tok-1")
+    client.create_registered_model("tiny")
+    mv = client.create_model_version("tiny", f"{client.get_run(run_id).info.artifact_uri}/checkpoints/tok-1", run_id)
+    client.set_registered_model_alias("tiny", "best", mv.version)
+
+    out = eval_command(
+        "models:/tiny@best",
+        small_gauntlet.tasks,
+        small_gauntlet.gauntlet,
+        small_gauntlet.data_root,
+        tracking_uri=mlflow_uri,
+        compare_to=str(hf_b),
+        output_dir=str(tmp_path / "report"),
+    )
+    direct = eval_command(str(hf_a), small_gauntlet.tasks, small_gauntlet.gauntlet, small_gauntlet.data_root)
+    assert out.metrics == pytest.approx(direct.metrics)  # the registered version is model a
+    assert out.baseline_average is not None
+    assert f"({out.average - out.baseline_average:+.4f})" in out.markdown
+    assert sorted(Path(f).name for f in out.files) == ["comparison.md", "report.html", "report.json", "report.md"]
+    assert not (tmp_path / "mlflow.db").exists()

@@ -1,0 +1,153 @@
+"""Assemble a Composer Trainer for one stage of a TrainJob. train.py calls this; benches reuse it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from composer import Trainer
+from composer.algorithms import GradientClipping
+from composer.models import HuggingFaceModel
+
+from trainers import model as model_lib
+from trainers.callbacks import LossGuard, MlflowMetrics, Probe
+from trainers.config import TrainJob
+from trainers.data import build_stage_data, clean_stale_shared_memory
+from trainers.exit_codes import FatalError
+from trainers.resume import PublishingCheckpointSaver, StartPlan, drop_dataset_state, plan_start
+from trainers.schedule import GlobalLRSchedule, stage_bounds
+
+log = logging.getLogger("tessera.train")
+
+
+def world() -> tuple[int, int]:
+    """(global rank, world size) from the launcher's environment, before torch.distributed is up."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms (1-D gains), which decay would just pull toward zero."""
+    optim = job.train.optim
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+    )
+
+
+def _plan(job: TrainJob, stage_index: int) -> StartPlan:
+    """Rank 0 repairs the save folder; the others wait for its verdict in a file (no process group yet)."""
+    rank, world_size = world()
+    # Ranks of one launch share the launcher as parent, so its pid names this launch's verdict.
+    marker = Path(job.save_folder) / f".{job.run_name}-plan-{os.getppid()}.json"
+    if rank == 0:
+        plan = plan_start(job, stage_index)
+        if world_size > 1:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps(plan.__dict__))
+            os.replace(tmp, marker)
+        return plan
+    import time
+
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 did not finish planning the start point")
+        time.sleep(0.05)
+    return StartPlan(**json.loads(marker.read_text()))
+
+
+def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
+    """HuggingFaceModel without its causal-LM registry probe.
+
+    Composer's probe resolves every causal-LM class in transformers, importing each modeling
+    file (and torch inductor through one of them): ~5 s idle, over 10 s on a busy node, on
+    every launch. We know the answer: LlamaForCausalLM is a causal LM and wants shifted labels.
+    """
+    import composer.models.huggingface as hf_module
+
+    probe = hf_module._is_registered_causal_lm
+    hf_module._is_registered_causal_lm = lambda model: True
+    try:
+        return HuggingFaceModel(hf_model, tokenizer=tokenizer, use_logits=True, shift_labels=True)
+    finally:
+        hf_module._is_registered_causal_lm = probe
+
+
+def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
+    """The Trainer for stage `stage_index`, resumed as plan_start decides; None if the stage is already done."""
+    if not 0 <= stage_index < len(job.train.stages):
+        raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
+    stage = job.train.stages[stage_index]
+    _, world_size = world()
+    on_gpu = torch.cuda.is_available()
+    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it.
+    clean_stale_shared_memory()
+    plan = _plan(job, stage_index)
+    log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
+    start, end = stage_bounds(job.train)[stage_index]
+    if plan.tokens >= end:
+        log.info("stage %s is already complete", stage.name)
+        return None
+
+    hf_model = model_lib.build_model(job.model, job.vocab_size, job.seq_len, job.eos_token_id, job.train.seed)
+    tokenizer = None
+    if job.tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    model = _wrap(hf_model, tokenizer)
+
+    schedule = GlobalLRSchedule(job.train, job.tokens_per_batch)
+    flops = model_lib.flops_per_token(job.model, job.vocab_size, job.seq_len).total
+    metrics = MlflowMetrics(job.mlflow, schedule, flops, stage.name, start)
+    callbacks = [
+        schedule,
+        LossGuard(job.train.loss_guard),  # before the saver: a bad step must not be checkpointed
+        metrics,
+        Probe(),
+        PublishingCheckpointSaver(job, stage_index),
+    ]
+    precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
+    microbatch = job.train.device_microbatch_size
+    device_batch = job.train.global_batch_size // world_size
+    if microbatch == "auto" and not on_gpu:
+        microbatch = device_batch  # Composer's auto search works by catching CUDA OOMs
+    elif microbatch != "auto":
+        microbatch = min(microbatch, device_batch)
+    algorithms = []
+    if job.train.optim.grad_clip_norm:
+        algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=job.train.optim.grad_clip_norm))
+    trainer = Trainer(
+        model=model,
+        train_dataloader=build_stage_data(job, stage_index, world_size),
+        optimizers=optimizer_for(hf_model, job),
+        max_duration=f"{end}tok",
+        device_train_microbatch_size=microbatch,
+        precision=precision,
+        algorithms=algorithms,
+        callbacks=callbacks,
+        run_name=job.run_name,
+        seed=job.train.seed,
+        autoresume=True,
+        load_path=plan.load_path,
+        load_ignore_keys=drop_dataset_state if plan.kind == "enter" else None,
+        # The data position comes from StreamingDataset state; never replay batches to get there.
+        spin_dataloaders=False,
+        progress_bar=False,
+        log_to_console=False,
+        load_progress_bar=False,
+        dist_timeout=float(os.environ.get("TESSERA_DIST_TIMEOUT", 300)),
+    )
+    if plan.kind == "enter":
+        # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
+        # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
+        trainer.state.timestamp = trainer.state.timestamp.to_next_epoch()
+    trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
+    return trainer

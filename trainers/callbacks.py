@@ -1,0 +1,190 @@
+"""Composer callbacks: stage entry, metrics to MLflow, the loss guard, and test probes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from trainers.config import LossGuardConfig, MlflowTarget
+from trainers.exit_codes import FatalError
+from trainers.resume import _maybe_fault
+
+
+class MlflowMetrics(Callback):
+    """Logs train/loss, train/lr, throughput and MFU into an existing MLflow run with step = tokens.
+
+    Buffered and flushed with one `log_batch` call every `flush_every_s`, so a sqlite or remote
+    tracking server costs nothing per step. Rank 0 only: the loss Composer hands us is already
+    averaged over ranks.
+    """
+
+    def __init__(
+        self,
+        target: MlflowTarget | None,
+        lr_source,
+        flops_per_token: int,
+        stage_name: str,
+        stage_start: int,
+        flush_every_s: float = 10.0,
+    ):
+        self.target = target
+        self.lr_source = lr_source
+        self.flops_per_token = flops_per_token
+        self.stage_name = stage_name
+        self.stage_start = stage_start
+        self.flush_every_s = flush_every_s
+        self._buffer: list = []
+        self._client = None
+        self._last_flush = time.monotonic()
+        self._window: tuple[float, int] | None = None
+        self.history: list[dict[str, float]] = []  # also kept in memory, for benches and tests
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0 or self.target is None:
+            return
+        from mlflow.entities import RunTag
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(self.target.tracking_uri)
+        prefix = f"stage/{self.stage_name}"
+        self._client.log_batch(
+            self.target.run_id, tags=[RunTag(f"{prefix}/start_tokens", str(self.stage_start))], synchronous=True
+        )
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self._window is None:
+            self._window = (time.perf_counter(), int(state.timestamp.token))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0:
+            return
+        tokens = int(state.timestamp.token)
+        loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else float("nan")
+        row = {"train/loss": loss, "train/lr": self.lr_source.lr}
+        t0, tok0 = self._window or (time.perf_counter(), tokens)
+        elapsed = time.perf_counter() - t0
+        if elapsed > 0 and tokens > tok0:
+            tps = (tokens - tok0) / elapsed
+            row["throughput/tokens_per_sec"] = tps
+            peak = _peak_flops()
+            if peak:
+                row["throughput/mfu"] = tps * self.flops_per_token / (peak * dist.get_world_size())
+            if torch.cuda.is_available():
+                row["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self._window = (time.perf_counter(), tokens)
+        self.history.append({"tokens": tokens, **row})
+        if self._client is not None:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
+            if time.monotonic() - self._last_flush > self.flush_every_s:
+                self.flush()
+
+    def flush(self) -> None:
+        if self._client is not None and self._buffer:
+            # MLflow caps a log_batch at 1000 metrics.
+            for i in range(0, len(self._buffer), 1000):
+                self._client.log_batch(self.target.run_id, metrics=self._buffer[i : i + 1000], synchronous=True)
+            self._buffer = []
+        self._last_flush = time.monotonic()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.flush()
+        if self._client is not None:
+            from mlflow.entities import RunTag
+
+            self._client.log_batch(
+                self.target.run_id,
+                tags=[RunTag(f"stage/{self.stage_name}/end_tokens", str(int(state.timestamp.token)))],
+                synchronous=True,
+            )
+
+    def close(self, state: State, logger: Logger) -> None:
+        self.flush()
+
+
+def _peak_flops() -> float | None:
+    """Dense bf16 peak of the local accelerator, for MFU; None on CPU (no meaningful peak)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().lower()
+    for key, peak in (("h200", 989.5e12), ("h100", 989.5e12), ("a100", 312e12), ("l40s", 362e12), ("a10", 125e12)):
+        if key in name:
+            return peak
+    return None
+
+
+class LossGuard(Callback):
+    """Stops on a NaN/inf loss (or a spike) before it is checkpointed.
+
+    It runs at BATCH_END, before BATCH_CHECKPOINT, so a poisoned step never reaches a checkpoint.
+    Raising `LossAnomaly` makes the entrypoint record the bad step; see trainers/rollback.py.
+    """
+
+    def __init__(self, cfg: LossGuardConfig):
+        self.cfg = cfg
+        self.mean: float | None = None
+        self.steps = 0
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if not self.cfg.enabled or not state.total_loss_dict:
+            return
+        loss = float(sum(state.total_loss_dict.values()))
+        tokens = int(state.timestamp.token)
+        if not math.isfinite(loss):
+            raise LossAnomaly(f"loss is {loss} at {tokens} tokens", tokens)
+        self.steps += 1
+        if self.cfg.spike_factor and self.mean is not None and self.steps > self.cfg.warmup_steps:
+            if loss > self.cfg.spike_factor * self.mean:
+                raise LossAnomaly(f"loss spiked to {loss:.4f} (running mean {self.mean:.4f}) at {tokens} tokens", tokens)
+        self.mean = loss if self.mean is None else 0.95 * self.mean + 0.05 * loss
+
+
+class LossAnomaly(FatalError):
+    def __init__(self, message: str, tokens: int):
+        super().__init__(message)
+        self.tokens = tokens
+
+
+class Probe(Callback):
+    """Test probes, off unless their environment variable is set.
+
+    TESSERA_SAMPLE_LOG=<file>: rank 0 appends one JSON line per step, {tokens, samples, loss}:
+    the global sample indices the step trained on (per rank) and the rank-averaged loss.
+    TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
+    """
+
+    def __init__(self):
+        self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        tokens = int(state.timestamp.token)
+        if self.sample_log:
+            mine = state.batch["sample_idx"].tolist()
+            everyone = dist.all_gather_object(mine)
+            if dist.get_global_rank() == 0:
+                with open(self.sample_log, "a") as f:
+                    loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else None
+                    f.write(json.dumps({"tokens": tokens, "samples": everyone, "loss": loss}) + "\n")
+        _maybe_fault("step", tokens)
+
+
+def read_sample_log(path: str | Path) -> dict[int, dict]:
+    """The effective history: for each step (by token count) the record of the last launch that trained it.
+
+    A relaunch re-trains the steps after its checkpoint, so later lines overwrite earlier ones.
+    """
+    steps: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        steps[record["tokens"]] = record
+    return dict(sorted(steps.items()))

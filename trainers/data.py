@@ -1,0 +1,85 @@
+"""Streaming data for one curriculum stage: a mixture of prepared MDS sources, one epoch = one stage.
+
+Why one epoch per stage: setting `epoch_size` to the stage's sample budget makes Streaming
+draw exactly that many samples from the mixture (up/down-sampling each source to its
+proportion) in a shuffle fixed by (seed, num_canonical_nodes). The data position is then a
+single number, the sample index within the epoch, which Composer checkpoints through
+`StreamingDataset.state_dict` and restores without replaying batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from composer.core import DataSpec
+from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
+
+from trainers.config import TrainJob
+
+__all__ = ["build_stage_data", "clean_stale_shared_memory"]
+
+
+class TokenSamples(StreamingDataset):
+    """MDS samples with one `tokens` column of exactly seq_len ids, returned with their global sample index.
+
+    The index rides along in the batch so tests (and debugging) can tell which samples a
+    step consumed; HuggingFaceModel drops keys its forward does not take.
+    """
+
+    def __init__(self, *, seq_len: int, **kwargs):
+        super().__init__(**kwargs)
+        self.seq_len = seq_len
+
+    def get_item(self, sample_id: int, retry: int = 7) -> dict:
+        tokens = super().get_item(sample_id, retry)["tokens"]
+        if tokens.shape != (self.seq_len,):
+            raise ValueError(f"sample {sample_id}: expected {self.seq_len} tokens, got shape {tokens.shape}")
+        # uint16 ids -> int64: embedding lookups and the CE loss want long indices.
+        return {"input_ids": torch.from_numpy(tokens.astype(np.int64)), "sample_idx": sample_id}
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    input_ids = torch.stack([s["input_ids"] for s in samples])  # (B, T)
+    return {
+        "input_ids": input_ids,
+        # Causal LM targets are the inputs; LlamaForCausalLM shifts them by one internally.
+        "labels": input_ids,
+        "sample_idx": torch.tensor([s["sample_idx"] for s in samples], dtype=torch.int64),
+    }
+
+
+def stage_samples(job: TrainJob, stage_index: int) -> int:
+    return job.train.stages[stage_index].tokens // job.seq_len
+
+
+def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSpec:
+    """The train DataSpec of stage `stage_index`, for one rank of `world_size`."""
+    stage = job.train.stages[stage_index]
+    if job.train.global_batch_size % world_size:
+        raise ValueError(
+            f"train.global_batch_size ({job.train.global_batch_size}) must be divisible by the process count ({world_size})"
+        )
+    device_batch = job.train.global_batch_size // world_size
+    # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
+    streams = [Stream(local=job.streams[name], proportion=p) for name, p in sorted(stage.mixture.items())]
+    dataset = TokenSamples(
+        seq_len=job.seq_len,
+        streams=streams,
+        epoch_size=stage_samples(job, stage_index),
+        batch_size=device_batch,
+        shuffle=True,
+        # A distinct shuffle per stage, stable across relaunches.
+        shuffle_seed=job.train.seed + 1000 * stage_index,
+        num_canonical_nodes=job.train.data_canonical_nodes,
+    )
+    loader = StreamingDataLoader(
+        dataset,
+        batch_size=device_batch,
+        collate_fn=collate,
+        # Samples are pre-tokenized and packed: reading them is cheap, and worker processes would
+        # cost seconds of startup on every (re)launch, which the resume budget cannot afford.
+        num_workers=0,
+        drop_last=True,
+    )
+    return DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel())

@@ -1,0 +1,39 @@
+"""Turn a Composer checkpoint into a plain Hugging Face model directory."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def load_hf(ckpt_path: str | Path):
+    """(model, tokenizer) from one Composer HuggingFaceModel checkpoint; tokenizer is None if none was embedded.
+
+    Reads the file once. (HuggingFaceModel.hf_from_composer_checkpoint copies the file first and
+    unpacks the tokenizer into the current directory, so its two helpers are called directly.)
+    """
+    from composer.models import HuggingFaceModel
+
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    hf_state = checkpoint["state"]["integrations"]["huggingface"]
+    with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
+        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
+    # Builds the class named in the embedded HF config, without weights.
+    model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, checkpoint, None, {})
+    # Composer keys the wrapped module as `model.<hf key>`.
+    weights = {k.removeprefix("model."): v for k, v in checkpoint["state"]["model"].items()}
+    model.load_state_dict(weights, strict=True)
+    return model.eval(), tokenizer
+
+
+def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors (+ the tokenizer files) for `ckpt_path` into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_hf(ckpt_path)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,251 @@
+"""Where a launch starts from, and how checkpoints become visible.
+
+Layout of `save_folder` (names are scoped by run_name, so two runs can share a folder):
+    <run>-s<K>-tok<T>-rank0.pt       Composer checkpoint of stage K after T tokens of the run
+    latest-<run>-s<K>-rank0.pt       symlink Composer autoresume follows, per stage
+    manifests/tok-<T>.json           done-marker (trainers.checkpoints), written after the .pt is complete
+    <run>-stages.json                ledger of stage specs already trained on
+
+The order of a save is: write .pt -> publish manifest -> repoint the latest symlink. A kill at
+any point leaves the symlink on the previous complete checkpoint, so autoresume never follows
+a half-written file. Before each launch, `plan_start` repairs what a kill can leave behind:
+.pt files without a manifest are deleted, manifests whose file fails an integrity check are
+withdrawn, and the symlink is re-derived from the newest surviving manifest of the stage.
+
+A launch of stage K is one of:
+    resume  a checkpoint of stage K exists: autoresume loads everything, data position included.
+    enter   none does, K > 0: load the end checkpoint of stage K-1 (weights, optimizer, RNG,
+            timestamp) but not its data position, since stage K reads a different mixture.
+    fresh   K == 0 and nothing saved yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from composer.callbacks import CheckpointSaver
+from composer.core import Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from trainers import checkpoints
+from trainers.checkpoints import CheckpointInfo
+from trainers.config import TrainJob
+from trainers.exit_codes import FatalError
+from trainers.schedule import stage_bounds
+
+
+def checkpoint_name(job: TrainJob, stage_index: int) -> str:
+    """Composer filename template (it fills {token} and {rank})."""
+    return f"{job.run_name}-s{stage_index}-tok{{token}}-rank{{rank}}.pt"
+
+
+def latest_name(job: TrainJob, stage_index: int) -> str:
+    return f"latest-{job.run_name}-s{stage_index}-rank{{rank}}.pt"
+
+
+def _ledger_path(job: TrainJob) -> Path:
+    return Path(job.save_folder) / f"{job.run_name}-stages.json"
+
+
+def is_intact(path: str | Path) -> bool:
+    """Cheap integrity check of a torch.save zip: a file cut short by a kill has no central directory.
+
+    It reads the directory at the end of the file, not the payload, so it stays O(1) for a 7B
+    checkpoint; bit rot inside the payload is left to torch.load to report.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(name.endswith("data.pkl") for name in zf.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _atomic_symlink(target: Path, link: Path) -> None:
+    tmp = link.with_name(f".tmp-{link.name}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+
+
+def _check_ledger(job: TrainJob, stage_index: int) -> None:
+    """Refuse edits to stages that have already been trained on; allow appending new ones."""
+    path = _ledger_path(job)
+    trained = json.loads(path.read_text()) if path.exists() else []
+    for i, recorded in enumerate(trained):
+        if i >= len(job.train.stages):
+            raise FatalError(
+                f"train.stages: stage {recorded['name']!r} (index {i}) was already trained on but is missing from the job; "
+                "stages can be appended, not removed"
+            )
+        current = job.train.stages[i].model_dump(mode="json")
+        for field in sorted(set(recorded) | set(current)):
+            if recorded.get(field) != current.get(field):
+                raise FatalError(
+                    f"train.stages[{i}].{field}: stage {recorded['name']!r} was already trained with "
+                    f"{field}={recorded.get(field)!r}, the job now says {current.get(field)!r}; editing a trained "
+                    "stage is refused (append a new stage instead)"
+                )
+    needed = [s.model_dump(mode="json") for s in job.train.stages[: stage_index + 1]]
+    if len(needed) > len(trained):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_text(json.dumps(needed, indent=1))
+        os.replace(tmp, path)
+
+
+def _run_checkpoints(job: TrainJob) -> list[tuple[int, int, Path]]:
+    """(stage_index, tokens, path) of this run's checkpoint files on disk."""
+    pattern = re.compile(rf"^{re.escape(job.run_name)}-s(\d+)-tok(\d+)-rank0\.pt$")
+    found = []
+    for path in Path(job.save_folder).glob(f"{job.run_name}-s*-tok*-rank0.pt"):
+        match = pattern.match(path.name)
+        if match:
+            found.append((int(match[1]), int(match[2]), path))
+    return found
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    kind: Literal["fresh", "resume", "enter"]
+    load_path: str | None  # what Composer loads when autoresume finds nothing (the previous stage's end)
+    tokens: int  # tokens of the run already trained at the start point
+
+
+def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
+    """Repair the save folder after a kill and decide where stage `stage_index` starts. Rank 0 only."""
+    if not 0 <= stage_index < len(job.train.stages):
+        raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
+    folder = Path(job.save_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_ledger(job, stage_index)
+
+    complete = [c for c in checkpoints.list_complete(folder) if Path(c.path).name.startswith(f"{job.run_name}-")]
+    published = {Path(c.path).resolve() for c in complete}
+    # A .pt without a manifest was cut short (or finished but not yet published) by a kill: drop it,
+    # the relaunch re-trains and re-saves those steps deterministically.
+    for _, _, path in _run_checkpoints(job):
+        if path.resolve() not in published:
+            path.unlink(missing_ok=True)
+
+    good: list[CheckpointInfo] = []
+    for info in complete:
+        if is_intact(info.path):
+            good.append(info)
+        else:  # withdraw it so neither autoresume nor an evaluator picks it up
+            checkpoints.manifest_path(folder, info.tokens).unlink(missing_ok=True)
+            os.replace(info.path, f"{info.path}.corrupt")
+
+    link = folder / latest_name(job, stage_index).format(rank=0)
+    own = [c for c in good if c.stage_index == stage_index]
+    if own:
+        newest = max(own, key=lambda c: c.tokens)
+        _atomic_symlink(Path(newest.path), link)
+        return StartPlan("resume", None, newest.tokens)
+    link.unlink(missing_ok=True)
+    if stage_index == 0:
+        return StartPlan("fresh", None, 0)
+    prev_end = stage_bounds(job.train)[stage_index - 1][1]
+    ends = [c for c in good if c.stage_index == stage_index - 1 and c.tokens == prev_end]
+    if not ends:
+        prev = job.train.stages[stage_index - 1].name
+        raise FatalError(
+            f"--stage {stage_index}: stage {prev!r} has no complete checkpoint at its end ({prev_end} tokens) "
+            f"in {job.save_folder}; train stage {stage_index - 1} first"
+        )
+    return StartPlan("enter", ends[-1].path, prev_end)
+
+
+def drop_dataset_state(state_dict: dict) -> None:
+    """load_ignore_keys for entering a stage: the previous stage's data position means nothing here."""
+    state_dict["state"].pop("dataset_state", None)
+
+
+class PublishingCheckpointSaver(CheckpointSaver):
+    """Composer's saver, reordered so the latest symlink moves only after the manifest is published.
+
+    Saves at every multiple of checkpoint_every_tokens and at the stage's end. Keeps the last
+    `keep` complete checkpoints of the run (by manifest), never the in-progress one.
+    """
+
+    def __init__(self, job: TrainJob, stage_index: int):
+        self.job = job
+        self.stage_index = stage_index
+        self.stage_end = stage_bounds(job.train)[stage_index][1]
+        every = job.checkpoint_every_tokens
+
+        def due(state: State, event: Event) -> bool:
+            tokens = int(state.timestamp.token.value)
+            return event == Event.BATCH_CHECKPOINT and (tokens % every == 0 or tokens >= self.stage_end)
+
+        super().__init__(
+            folder=job.save_folder,
+            filename=checkpoint_name(job, stage_index),
+            remote_file_name=None,
+            latest_filename=latest_name(job, stage_index),
+            # Unused without remote_file_name, but Composer's autoresume asserts it is set.
+            latest_remote_file_name=latest_name(job, stage_index),
+            save_interval=due,
+            overwrite=True,  # a file left by a killed save is replaced; plan_start already removed it
+            num_checkpoints_to_keep=-1,  # rotation is by manifest below; Composer's list forgets across relaunches
+        )
+
+    def _save_checkpoint(self, state: State, logger: Logger) -> None:
+        latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
+        try:
+            super()._save_checkpoint(state, logger)
+        finally:
+            self.latest_filename = latest
+        if dist.get_global_rank() != 0:
+            return
+        path = Path(self.saved_checkpoints[-1]).resolve()
+        tokens = int(state.timestamp.token.value)
+        _maybe_fault("save", tokens, path)
+        checkpoints.publish(
+            self.job.save_folder,
+            CheckpointInfo(
+                path=str(path),
+                tokens=tokens,
+                batch=int(state.timestamp.batch.value),
+                stage=self.job.train.stages[self.stage_index].name,
+                stage_index=self.stage_index,
+            ),
+        )
+        _atomic_symlink(path, Path(self.job.save_folder) / latest_name(self.job, self.stage_index).format(rank=0))
+        self._keep_last()
+
+    def _keep_last(self) -> None:
+        keep = self.job.train.keep_checkpoints
+        if keep is None:
+            return
+        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if Path(c.path).name.startswith(f"{self.job.run_name}-")]
+        for old in complete[:-keep]:
+            # Manifest first: a watcher must never see a manifest whose file is gone mid-read.
+            checkpoints.manifest_path(self.job.save_folder, old.tokens).unlink(missing_ok=True)
+            Path(old.path).unlink(missing_ok=True)
+
+
+FAULT_ENV = "TESSERA_FAULT"
+
+
+def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
+    """Fault injection for the kill -9 tests: `TESSERA_FAULT=save:<tokens>` or `step:<tokens>`.
+
+    `save` truncates the just-written checkpoint to half (what a kill mid-write leaves) and
+    SIGKILLs this process before the manifest; `step` SIGKILLs right after that step.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec != f"{point}:{tokens}":
+        return
+    if path is not None:
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,119 @@
+"""Small fixtures for tests and benches: MDS token data, an HF tokenizer dir, a tiny TrainJob.
+
+Nothing here is used by training itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from trainers.config import MlflowTarget, ModelConfig, StageConfig, TrainConfig, TrainJob
+
+ROOT = Path(__file__).resolve().parents[1]
+NEOX_TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
+
+
+def write_mds(out: str | Path, n_samples: int, seq_len: int, vocab_size: int, seed: int, low: int = 0) -> Path:
+    """An MDS directory of `n_samples` random samples (column `tokens`: seq_len uint16 ids)."""
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(seed)
+    # Ids of one source come from their own band, so a mixture's samples are recognisable by value.
+    with MDSWriter(out=str(out), columns={"tokens": "ndarray:uint16"}, size_limit=1 << 16) as writer:
+        for _ in range(n_samples):
+            writer.write({"tokens": rng.integers(low, vocab_size, size=seq_len, dtype=np.uint16)})
+    return Path(out)
+
+
+def write_text_mds(out: str | Path, text_file: str | Path, n_samples: int, seq_len: int, eos_id: int) -> Path:
+    """MDS of real text packed into seq_len windows with EOS between documents (paragraphs)."""
+    from streaming import MDSWriter
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(NEOX_TOKENIZER))
+    ids: list[int] = []
+    for para in Path(text_file).read_text().split("\n\n"):
+        ids.extend(tok.encode(para).ids + [eos_id])
+        if len(ids) >= n_samples * seq_len:
+            break
+    arr = np.asarray(ids[: n_samples * seq_len], dtype=np.uint16).reshape(-1, seq_len)
+    with MDSWriter(out=str(out), columns={"tokens": "ndarray:uint16"}, size_limit=1 << 16) as writer:
+        for row in arr:
+            writer.write({"tokens": row})
+    return Path(out)
+
+
+def write_hf_tokenizer(out: str | Path) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(NEOX_TOKENIZER), eos_token="<|endoftext|>")
+    tok.save_pretrained(str(out))
+    return Path(out)
+
+
+def tiny_job(
+    root: str | Path,
+    streams: dict[str, str],
+    stages: list[StageConfig],
+    *,
+    seq_len: int = 32,
+    vocab_size: int = 512,
+    global_batch_size: int = 8,
+    checkpoint_every_tokens: int | None = None,
+    tokenizer_dir: str | None = None,
+    run_name: str = "tiny",
+    model: ModelConfig | None = None,
+    mlflow: MlflowTarget | None = None,
+    **train_overrides,
+) -> TrainJob:
+    train = TrainConfig(
+        global_batch_size=global_batch_size,
+        device_microbatch_size=global_batch_size,
+        stages=stages,
+        **train_overrides,
+    )
+    return TrainJob(
+        run_name=run_name,
+        model=model or ModelConfig(),
+        train=train,
+        vocab_size=vocab_size,
+        eos_token_id=0,
+        seq_len=seq_len,
+        streams=streams,
+        save_folder=str(Path(root) / "ckpt"),
+        checkpoint_every_tokens=checkpoint_every_tokens or 4 * global_batch_size * seq_len,
+        tokenizer_dir=tokenizer_dir,
+        mlflow=mlflow,
+    )
+
+
+def write_job(job: TrainJob, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(job.model_dump_json(indent=1))
+    return path
+
+
+def run_stage(
+    job_path: str | Path, stage: int, *, procs: int = 1, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run `python -m trainers.train` as the flow would (through Composer's launcher when procs > 1)."""
+    args = ["--job", str(job_path), "--stage", str(stage)]
+    if procs == 1:
+        cmd = [sys.executable, "-m", "trainers.train", *args]
+    else:
+        logs = Path(job_path).parent / "logs"
+        logs.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "composer.cli.launcher", "-n", str(procs),
+            "--stdout", str(logs / "rank{rank}.out"), "--stderr", str(logs / "rank{rank}.err"),
+            "-m", "trainers.train", *args,
+        ]  # fmt: skip
+    # One intra-op thread: tiny matmuls gain nothing from two, and on a shared CI box spinning
+    # OpenMP workers make every step several times slower.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,59 @@
+"""Entrypoint of a training pod: `python -m trainers.train --job JOB.json --stage K`.
+
+Trains stage K (0-based) up to the cumulative token count of stages 0..K, resuming from the
+job's save folder. Run it under Composer's launcher for several ranks:
+`composer -n N -m trainers.train --job JOB.json --stage K`. Exit codes: trainers/exit_codes.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trainers.exit_codes import ExitCode, FatalError, classify
+from trainers.jobfile import load_job
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainers.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="TrainJob JSON written by the flow")
+    parser.add_argument("--stage", required=True, type=int, help="0-based curriculum stage to train")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    trainer = None
+    try:
+        job = load_job(args.job)
+        # Heavy imports after validating, so `--help` and a bad job file answer at once.
+        from trainers.build import build_trainer
+        from trainers.rollback import record_anomaly
+
+        trainer = build_trainer(job, args.stage)
+        if trainer is None:  # the stage finished in an earlier launch
+            return ExitCode.OK
+        try:
+            trainer.fit()
+        except Exception as exc:  # noqa: BLE001 - every failure maps to an exit code below
+            code = record_anomaly(job, exc)  # NaN / spike: schedule a rollback, or give up
+            if code is not None:
+                return code
+            raise
+        return ExitCode.OK
+    except FatalError as exc:
+        print(f"tessera.train: fatal: {exc}", file=sys.stderr)
+        return ExitCode.FATAL
+    except Exception as exc:  # noqa: BLE001
+        code = classify(exc)
+        logging.getLogger("tessera.train").exception("training failed (%s)", code.name.lower())
+        return code
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
