@@ -1,0 +1,47 @@
+"""The local backend starts N ranks through Composer's launcher, reports exit codes and can be cancelled."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from infra import backend_for
+from infra.config import ComputeConfig
+from tests.conftest import ROOT
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    job = backend_for(ComputeConfig(procs_per_node=2)).launch(
+        "tests.launch_probe", ["exit", "75"], log_dir=tmp_path
+    )
+    assert job.wait(timeout=120) == 75  # rank 0's retryable code reaches the supervisor unchanged
+    assert "rank=0 world=2 master=127.0.0.1" in job.log_path.read_text()
+    assert "rank=1 world=2 master=127.0.0.1" in (tmp_path / "rank1.stdout.log").read_text()
+
+
+def test_cancel_stops_every_rank(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    job = backend_for(ComputeConfig(procs_per_node=2)).launch("tests.launch_probe", ["sleep", "600"], log_dir=tmp_path)
+    rank1_log = tmp_path / "rank1.stdout.log"
+    deadline = time.monotonic() + 60
+    while not (rank1_log.exists() and "rank=1" in rank1_log.read_text()):
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.2)
+    group = [int(p) for p in os.popen(f"pgrep -g {job.process.pid}").read().split()]
+    assert len(group) >= 3  # the launcher and two ranks
+    job.cancel(grace_s=5)
+    assert job.poll() is not None
+    time.sleep(0.5)
+    assert _pids_alive(group) == []
