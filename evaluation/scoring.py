@@ -82,7 +82,7 @@ def collate_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def _gathering_head(model: Any, row: torch.Tensor, pos: torch.Tensor):
+def _gathering_head(model: Any, row: torch.Tensor, pos: torch.Tensor, shape: tuple[int, int]):
     """Make the output projection see only the hidden states at (row, pos).
 
     For a tiny model the vocabulary projection costs far more than the transformer body, and
@@ -93,8 +93,10 @@ def _gathering_head(model: Any, row: torch.Tensor, pos: torch.Tensor):
     if head is None:
         return None
 
-    def gather(_module: Any, args: tuple) -> tuple:
+    def gather(_module: Any, args: tuple) -> tuple | None:
         hidden = args[0]  # [B, T, d]
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != shape:
+            return None  # an unfamiliar layout: leave the head alone, the caller sees full logits
         return (hidden[row, pos].unsqueeze(0), *args[1:])  # [1, N, d]
 
     return head.register_forward_pre_hook(gather)
@@ -114,7 +116,7 @@ def score_rows(
     row, pos = _token_index(lengths, cont_lens)  # [N], [N]
     target = ids[row, pos + 1]  # [N]
 
-    hook = _gathering_head(model, row, pos) if gather else None
+    hook = _gathering_head(model, row, pos, tuple(ids.shape)) if gather else None
     try:
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     finally:
@@ -162,7 +164,7 @@ def score_rows_shared(
 
     pids, pmask = collate_rows([it.rows[0][: it.prefix] for it in items], pad_id)
     pids, pmask = pids.to(device), pmask.to(device)
-    hook = _gathering_head(model, torch.arange(len(items), device=device), P - 1)
+    hook = _gathering_head(model, torch.arange(len(items), device=device), P - 1, tuple(pids.shape))
     try:
         out = model(input_ids=pids, attention_mask=pmask, use_cache=True)
     finally:
@@ -180,19 +182,22 @@ def score_rows_shared(
     row, pos = _token_index(lengths, cont)  # absolute predicting positions
     from_prefix = pos < Prow[row]  # only the first token, when the prefix is the whole context
     s_row, s_pos = row[~from_prefix], pos[~from_prefix] - Prow[row[~from_prefix]]
-    hook = _gathering_head(model, s_row, s_pos)
-    try:
-        logits = model(
-            input_ids=sids,
-            attention_mask=torch.cat([pmask[item_of], smask], dim=1),
-            position_ids=Prow[:, None] + torch.arange(sids.shape[1], device=device),
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
-    finally:
-        if hook is not None:
-            hook.remove()
-    suffix = logits.reshape(-1, logits.shape[-1]) if logits.shape[:2] == (1, len(s_row)) else logits[s_row, s_pos]
+    if len(s_row) == 0:  # one-token continuations: the prefix pass already predicted them all
+        suffix = last[:0]
+    else:
+        hook = _gathering_head(model, s_row, s_pos, tuple(sids.shape))
+        try:
+            logits = model(
+                input_ids=sids,
+                attention_mask=torch.cat([pmask[item_of], smask], dim=1),
+                position_ids=Prow[:, None] + torch.arange(sids.shape[1], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
+        finally:
+            if hook is not None:
+                hook.remove()
+        suffix = logits.reshape(-1, logits.shape[-1]) if logits.shape[:2] == (1, len(s_row)) else logits[s_row, s_pos]
 
     picked = torch.empty((len(row), last.shape[-1]), dtype=torch.float32, device=device)
     picked[from_prefix] = last[item_of[row[from_prefix]]].float()
@@ -208,6 +213,18 @@ def score_rows_shared(
     return mean_ce, all_hit
 
 
+# Sharing costs a second forward call and a cache gather; below this fraction of tokens saved
+# (short zero-shot contexts, e.g. COPA) one pass over the full rows is faster.
+MIN_SHARED_FRACTION = 0.4
+
+
+def _worth_sharing(items: Sequence[ChoiceItem]) -> bool:
+    if not all(it.prefix > 0 for it in items):
+        return False
+    saved = sum((len(it.rows) - 1) * it.prefix for it in items)
+    return saved >= MIN_SHARED_FRACTION * sum(len(r) for it in items for r in it.rows)
+
+
 def score_choice_items(
     model: Any, items: Sequence[ChoiceItem], batch_size: int, pad_id: int, kind: str, share_prefix: bool = True
 ) -> tuple[list[bool], Throughput]:
@@ -220,7 +237,7 @@ def score_choice_items(
         rows = [r for i in batch for r in items[i].rows]
         lengths = torch.tensor([len(r) for r in rows])
         scored = None
-        if share_prefix and all(items[i].prefix > 0 for i in batch):
+        if share_prefix and _worth_sharing([items[i] for i in batch]):
             try:
                 scored = score_rows_shared(model, [items[i] for i in batch], pad_id, device)
             except (TypeError, ValueError, AttributeError, NotImplementedError, RuntimeError):

@@ -26,6 +26,8 @@ def resolve(root: str, uri: str) -> str:
 
 
 def exists(uri: str) -> bool:
+    if uri.startswith("hf://"):
+        raise GauntletError(f"{uri}: hf:// datasets are not supported; point dataset_uri at a jsonl file")
     if not is_remote(uri):
         return Path(uri).is_file()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,11 @@ class LoggedReport:
     table: str
     json: str
     html: str
+
+
+def metric_key(name: str) -> str:
+    """MLflow accepts only [A-Za-z0-9_-. /] in keys; a category from a task file may hold others."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)
 
 
 def _history(client, run_id: str, names: list[str]) -> dict[str, list[tuple[int, float]]]:
@@ -31,7 +37,7 @@ def log_report(tracking_uri: str, run_id: str, report: GauntletReport, step: int
 
     client = MlflowClient(tracking_uri)
     now = int(time.time() * 1000)
-    metrics = [Metric(key, float(value), now, step) for key, value in report.metrics().items()]
+    metrics = [Metric(metric_key(key), float(value), now, step) for key, value in report.metrics().items()]
     for i in range(0, len(metrics), 500):  # MLflow caps a batch at 1000 entries
         client.log_batch(run_id, metrics=metrics[i : i + 500])
 

@@ -50,21 +50,23 @@ def _progress_bars(data: DataConfig):
 def prepare_data(data: DataConfig) -> PreparedData:
     """Tokenize each source into `<data.root>/<source>-<hash>`; finished sources are skipped."""
     logger = get_run_logger()
-    workers = data.workers or parallel.default_workers()
-    if workers > 1:
-        parallel.warm(workers)  # spawn the tokenizer processes while the tokenizer loads
-
     tok_dir = tokenizer_dir(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     tok = prepare_tasks.prepare_tokenizer.with_options(refresh_cache=not outputs.is_done(tok_dir))(
         data.tokenizer, data.root, data.sources, data.chunk_bytes)
 
-    futures, was_done = {}, {}
+    was_done = {}
+    for src in data.sources:
+        out = pipeline.plan(src, data, tok).out
+        was_done[src.name] = outputs.is_done(out)
+        if was_done[src.name]:
+            logger.info("source %s: up to date at %s, nothing to do", src.name, out)
+    workers = data.workers or parallel.default_workers()
+    if workers > 1 and not all(was_done.values()):
+        parallel.warm(workers)  # start the tokenizer processes while the first source is planned
+
+    futures = {}
     with _progress_bars(data):
         for src in data.sources:
-            out = pipeline.plan(src, data, tok).out
-            was_done[src.name] = outputs.is_done(out)
-            if was_done[src.name]:
-                logger.info("source %s: up to date at %s, nothing to do", src.name, out)
             task = prepare_tasks.prepare_source.with_options(refresh_cache=not was_done[src.name])
             futures[src.name] = task.submit(src, data, tok)
         sources = {name: f.result() for name, f in futures.items()}

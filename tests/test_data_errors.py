@@ -137,3 +137,11 @@ def test_failure_keeps_what_was_prepared(tmp_path, tok_info):
     _fail(tmp_path, tok_info, {"name": "broken", "paths": [str(bad)]})
     assert sorted(os.listdir(tmp_path / "out")) == [os.path.basename(first.root)]
     assert prov(first.root)["counts"]["documents"] == 1
+
+
+def test_read_failure_names_the_file():
+    from tasks.data import storage
+
+    # Readable by stat and open even as root, but every read fails: a real I/O error.
+    with pytest.raises(DataError, match=r"^/proc/self/mem: cannot read file at byte 0 \(Input/output error\)$"):
+        list(storage.read_blocks("/proc/self/mem", 0, 10))

@@ -144,7 +144,8 @@ def test_shared_prefix_pass_equals_full_rows_on_a_real_llama():
     sc = TaskSpec(label="sc", dataset_uri="x", num_fewshot=[2], icl_task_type="schema")
     mc_rows = [{"query": phrase(3 + i % 4), "choices": [phrase(1 + j) for j in range(3)], "gold": i % 3} for i in range(9)]
     sc_rows = [{"context_options": [phrase(2 + i % 3), phrase(4)], "continuation": phrase(2), "gold": i % 2} for i in range(9)]
-    for task, rows in ((mc, mc_rows), (sc, sc_rows)):
+    one_token = [{"query": phrase(4), "choices": [phrase(1) for _ in range(4)], "gold": 0} for _ in range(5)]
+    for task, rows in ((mc, mc_rows), (sc, sc_rows), (mc, one_token)):
         recs = validate_records(task, "x", list(enumerate(rows, 1)))
         items = prepare_split(task, "x", recs, tok, 2, 64, 7).choice_items
         assert all(it.prefix > 0 for it in items)

@@ -154,7 +154,9 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
                                                        monkeypatch):  # fmt: skip
     from flows.evaluate import eval_command
 
-    monkeypatch.chdir(tmp_path)  # nothing may fall back to a default ./mlflow.db
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # nothing may fall back to a default ./mlflow.db
 
     client, run_id = mlflow_run
     tok = _tokenizer()
@@ -181,4 +183,4 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
     assert out.baseline_average is not None
     assert f"({out.average - out.baseline_average:+.4f})" in out.markdown
     assert sorted(Path(f).name for f in out.files) == ["comparison.md", "report.html", "report.json", "report.md"]
-    assert not (tmp_path / "mlflow.db").exists()
+    assert list(cwd.iterdir()) == []

@@ -273,3 +273,31 @@ def test_two_ranks_match_one_rank(reference, tmp_path, sources):
     for t in ref:
         assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
         assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-4), t
+
+
+@pytest.mark.slow
+def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources):
+    """A NaN at step 7 (last checkpoint at step 4): exit RETRYABLE, relaunch skips steps 5-7's samples."""
+    from trainers.callbacks import read_sample_log
+    from trainers.checkpoints import list_complete
+    from trainers.rollback import read_rollbacks
+
+    job, job_path = _job(tmp_path, sources, loss_guard={"max_rollbacks": 1})
+    log = tmp_path / "samples.jsonl"
+    first = _launch(job_path, 0, log, fault="nan:1792")
+    assert first.returncode == ExitCode.RETRYABLE, first.stderr[-2000:]
+    assert [(r["resume_tokens"], r["skip_samples"], r["bad_tokens"]) for r in read_rollbacks(job)] == [(1024, 24, 1792)]
+    assert [c.tokens for c in list_complete(job.save_folder)] == [1024]  # the NaN step was never saved
+
+    _ok(_launch(job_path, 0, log))
+    ours = read_sample_log(log)
+    ref = read_sample_log(reference[1] / "samples.jsonl")
+    assert [ours[t]["samples"] for t in (256, 512, 768, 1024)] == [ref[t]["samples"] for t in (256, 512, 768, 1024)]
+    # After the rollback, step 5 trains what the uninterrupted run saw at step 8: 3 steps of data skipped.
+    assert [ours[t]["samples"] for t in (1280, 1536, 1792)] == [ref[t]["samples"] for t in (2048, 2304, 2560)]
+    assert all(math.isfinite(r["loss"]) for r in ours.values())
+    assert [c.tokens for c in list_complete(job.save_folder)] == [1024, 2048, 2560]
+
+    # The rollback budget is spent: the next anomaly is fatal.
+    again = _launch(job_path, 1, log, fault="nan:3328")
+    assert again.returncode == ExitCode.FATAL and "max_rollbacks=1" in again.stderr

@@ -18,6 +18,7 @@ from trainers.config import TrainJob
 from trainers.data import build_stage_data, clean_stale_shared_memory
 from trainers.exit_codes import FatalError
 from trainers.resume import PublishingCheckpointSaver, StartPlan, drop_dataset_state, plan_start
+from trainers.rollback import apply_skip, pending_skip
 from trainers.schedule import GlobalLRSchedule, stage_bounds
 
 log = logging.getLogger("tessera.train")
@@ -107,12 +108,15 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     schedule = GlobalLRSchedule(job.train, job.tokens_per_batch)
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.seq_len).total
     metrics = MlflowMetrics(job.mlflow, schedule, flops, stage.name, start)
+    saver = PublishingCheckpointSaver(job, stage_index)
+    skip = pending_skip(job, stage_index, plan.tokens)
     callbacks = [
         schedule,
-        LossGuard(job.train.loss_guard),  # before the saver: a bad step must not be checkpointed
+        # Before the saver: a bad step must never be checkpointed.
+        LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver),
         metrics,
         Probe(),
-        PublishingCheckpointSaver(job, stage_index),
+        saver,
     ]
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
@@ -149,5 +153,8 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
         # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
         trainer.state.timestamp = trainer.state.timestamp.to_next_epoch()
+    if skip:
+        log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
+        apply_skip(trainer, skip)
     trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
     return trainer

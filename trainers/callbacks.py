@@ -124,35 +124,61 @@ def _peak_flops() -> float | None:
 
 
 class LossGuard(Callback):
-    """Stops on a NaN/inf loss (or a spike) before it is checkpointed.
+    """Stops on a NaN/inf loss (or a spike) before it is checkpointed; trainers/rollback.py handles the rest.
 
     It runs at BATCH_END, before BATCH_CHECKPOINT, so a poisoned step never reaches a checkpoint.
-    Raising `LossAnomaly` makes the entrypoint record the bad step; see trainers/rollback.py.
+    It knows where a relaunch would resume (the plan's start, or the last checkpoint this launch
+    saved) and how much data the launch already skipped from there, for the rollback record.
     """
 
-    def __init__(self, cfg: LossGuardConfig):
+    def __init__(self, cfg: LossGuardConfig, stage_index: int, resume_tokens: int, already_skipped: int, saver):
         self.cfg = cfg
+        self.stage_index = stage_index
+        self.resume_tokens = resume_tokens
+        self.already_skipped = already_skipped
+        self.saver = saver
         self.mean: float | None = None
         self.steps = 0
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if os.environ.get("TESSERA_FAULT") == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
+            # Test hook: poison one weight so this step's forward really produces a NaN loss.
+            with torch.no_grad():
+                next(state.model.parameters()).view(-1)[0] = float("nan")
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if not self.cfg.enabled or not state.total_loss_dict:
             return
         loss = float(sum(state.total_loss_dict.values()))
         tokens = int(state.timestamp.token)
+        problem = None
         if not math.isfinite(loss):
-            raise LossAnomaly(f"loss is {loss} at {tokens} tokens", tokens)
-        self.steps += 1
-        if self.cfg.spike_factor and self.mean is not None and self.steps > self.cfg.warmup_steps:
+            problem = f"loss is {loss} at {tokens} tokens"
+        elif self.cfg.spike_factor and self.mean is not None and self.steps >= self.cfg.warmup_steps:
             if loss > self.cfg.spike_factor * self.mean:
-                raise LossAnomaly(f"loss spiked to {loss:.4f} (running mean {self.mean:.4f}) at {tokens} tokens", tokens)
+                problem = f"loss spiked to {loss:.4f} (running mean {self.mean:.4f}) at {tokens} tokens"
+        if problem:
+            saved = self.saver.last_saved_tokens
+            if saved is not None and saved > self.resume_tokens:
+                self.resume_tokens, self.already_skipped = saved, 0
+            raise LossAnomaly(problem, tokens, self.resume_tokens, self.already_skipped, self.stage_index)
+        self.steps += 1
         self.mean = loss if self.mean is None else 0.95 * self.mean + 0.05 * loss
 
 
+def _step_tokens(state: State) -> int:
+    return int(state.batch["input_ids"].numel()) * dist.get_world_size()
+
+
 class LossAnomaly(FatalError):
-    def __init__(self, message: str, tokens: int):
+    """A bad loss. Fatal if it escapes; the entrypoint turns it into a rollback while budget lasts."""
+
+    def __init__(self, message: str, tokens: int, resume_tokens: int, already_skipped: int, stage_index: int):
         super().__init__(message)
         self.tokens = tokens
+        self.resume_tokens = resume_tokens
+        self.already_skipped = already_skipped
+        self.stage_index = stage_index
 
 
 class Probe(Callback):

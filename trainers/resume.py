@@ -179,6 +179,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.job = job
         self.stage_index = stage_index
         self.stage_end = stage_bounds(job.train)[stage_index][1]
+        self.last_saved_tokens: int | None = None
         every = job.checkpoint_every_tokens
 
         def due(state: State, event: Event) -> bool:
@@ -203,10 +204,11 @@ class PublishingCheckpointSaver(CheckpointSaver):
             super()._save_checkpoint(state, logger)
         finally:
             self.latest_filename = latest
+        tokens = int(state.timestamp.token.value)
+        self.last_saved_tokens = tokens
         if dist.get_global_rank() != 0:
             return
         path = Path(self.saved_checkpoints[-1]).resolve()
-        tokens = int(state.timestamp.token.value)
         _maybe_fault("save", tokens, path)
         checkpoints.publish(
             self.job.save_folder,

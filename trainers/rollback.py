@@ -1,10 +1,108 @@
-"""Loss-anomaly handling: roll back to the last good checkpoint and skip the offending data."""
+"""Loss anomalies (NaN/inf, spikes): roll back to the last good checkpoint and skip the data that caused them.
+
+What happens (train.loss_guard configures it):
+1. LossGuard (trainers/callbacks.py) checks every step's rank-averaged loss at BATCH_END, before
+   the checkpoint event, so a poisoned step is never saved. It raises LossAnomaly.
+2. The entrypoint calls `record_anomaly`: rank 0 appends to `<save_folder>/<run>-rollbacks.json`
+   the checkpoint the relaunch will resume from (C) and how many samples to skip from there:
+   every sample trained since C, the bad batch included. The job exits RETRYABLE, so the
+   supervisor relaunches it; after `max_rollbacks` records it exits FATAL instead.
+3. The relaunch resumes from C as usual (weights, optimizer, data position) and `apply_skip`
+   moves the Streaming position forward by the recorded count. The token counter, and so the
+   LR schedule and the stage boundaries, do not move: the skipped data is simply not trained on.
+
+The relaunch is what restores the weights, so no in-memory state of a diverged model is reused.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+
 from trainers.config import TrainJob
+from trainers.exit_codes import ExitCode
+
+
+def _ledger(job: TrainJob) -> Path:
+    return Path(job.save_folder) / f"{job.run_name}-rollbacks.json"
+
+
+def read_rollbacks(job: TrainJob) -> list[dict]:
+    path = _ledger(job)
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
-    """Exit code for a loss anomaly, or None when `exc` is not one."""
-    return None
+    """Exit code for a loss anomaly (and its rollback record), or None when `exc` is not one."""
+    from composer.utils import dist
+
+    from trainers.callbacks import LossAnomaly
+
+    if not isinstance(exc, LossAnomaly):
+        return None
+    records = read_rollbacks(job)
+    if len(records) >= job.train.loss_guard.max_rollbacks:
+        print(
+            f"tessera.train: fatal: {exc}; {len(records)} rollback(s) already used "
+            f"(train.loss_guard.max_rollbacks={job.train.loss_guard.max_rollbacks})",
+            file=sys.stderr,
+        )
+        return ExitCode.FATAL
+    skip = exc.already_skipped + (exc.tokens - exc.resume_tokens) // job.seq_len
+    if dist.get_global_rank() == 0:
+        records.append(
+            {
+                "stage_index": exc.stage_index,
+                "resume_tokens": exc.resume_tokens,
+                "skip_samples": skip,
+                "bad_tokens": exc.tokens,
+                "reason": str(exc),
+            }
+        )
+        tmp = _ledger(job).with_suffix(".tmp")
+        tmp.write_text(json.dumps(records, indent=1))
+        os.replace(tmp, _ledger(job))
+    print(
+        f"tessera.train: {exc}; rolling back to the checkpoint at {exc.resume_tokens} tokens and skipping "
+        f"{skip} samples on relaunch",
+        file=sys.stderr,
+    )
+    return ExitCode.RETRYABLE
+
+
+def pending_skip(job: TrainJob, stage_index: int, resume_tokens: int) -> int:
+    """Samples to skip when starting stage `stage_index` from the checkpoint at `resume_tokens`."""
+    skips = [
+        r["skip_samples"]
+        for r in read_rollbacks(job)
+        if r["stage_index"] == stage_index and r["resume_tokens"] == resume_tokens
+    ]
+    return max(skips, default=0)
+
+
+def apply_skip(trainer, samples: int) -> None:
+    """Advance the data position of a freshly built (resumed) trainer by `samples` global samples."""
+    if samples <= 0:
+        return
+    state = trainer.state
+    dataset = state.train_dataloader.dataset
+    now = int(state.timestamp.sample_in_epoch)
+    position = dataset.state_dict(now, True)
+    position["epoch"] = max(position["epoch"], 0)  # a stage just entered has no epoch yet
+    position["sample_in_epoch"] = now + samples
+    dataset.load_state_dict(position)
+    state.dataset_resumption["train"] = True
+    # The checkpointed data position is timestamp.sample_in_epoch: it must count the skipped samples.
+    steps = samples // (state.train_dataloader.batch_size * max(1, _world()))
+    state.timestamp = state.timestamp.copy(
+        sample_in_epoch=now + samples,
+        batch_in_epoch=int(state.timestamp.batch_in_epoch) + steps,
+    )
+
+
+def _world() -> int:
+    from composer.utils import dist
+
+    return dist.get_world_size()

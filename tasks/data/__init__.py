@@ -1,3 +1,20 @@
+"""The prepare stage's data handling, free of Prefect (tasks/prepare.py and flows/prepare.py wrap it).
+
+config     the recipe's `data` section (sources are a union on `kind`)
+storage    listing, fingerprinting and reading local and s3:// files
+readers    sources -> work units -> document strings; bad input -> DataError or a counted skip
+tokenizer  load or train the tokenizer, saved with the data (TokenizerInfo)
+worker     tokenize one job of units in a pool process (no Streaming import there)
+parallel   the shared spawn-based process pool
+packing    ids -> fixed seq_len windows
+mds        windows -> MDSWriter shards
+hashing    what the output hash covers
+outputs    staged directories, provenance.json, the done-marker
+pipeline   one source end to end: plan, tokenize, pack, write, publish (prepare_source)
+results    PreparedSource / PreparedData and `summarize`
+errors     DataError: one line naming the file and line or field
+"""
+
 from tasks.data.config import DataConfig
 
 __all__ = ["DataConfig"]

@@ -119,12 +119,16 @@ def read_blocks(path: str, start: int = 0, end: int | None = None) -> Iterator[b
     except OSError as exc:
         raise DataError(path, f"cannot read file ({exc.strerror})") from exc
     with f:
-        f.seek(start)
         remaining = None if end is None else end - start
         while remaining is None or remaining > 0:
-            block = f.read(_BLOCK if remaining is None else min(_BLOCK, remaining))
+            try:
+                f.seek(start)
+                block = f.read(_BLOCK if remaining is None else min(_BLOCK, remaining))
+            except OSError as exc:
+                raise DataError(path, f"cannot read file at byte {start} ({exc.strerror})") from exc
             if not block:
                 return
+            start += len(block)
             if remaining is not None:
                 remaining -= len(block)
             yield block
