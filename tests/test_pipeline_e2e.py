@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
 
 import pytest
 import yaml
@@ -49,6 +54,27 @@ def _task_names(flow_run_id) -> list[str]:
     return asyncio.run(fetch())
 
 
+def kill_trainer_after_first_checkpoint(save_folder, timeout_s: float = 600) -> threading.Thread:
+    """SIGKILL the rank process (not the launcher) once the first checkpoint is published: a lost node."""
+    from trainers.checkpoints import list_complete
+
+    def run():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not list_complete(save_folder):
+            time.sleep(0.1)
+        pids = subprocess.run(["pgrep", "-f", "^[^ ]*python[^ ]* -m trainers.train --job"], capture_output=True,
+                              text=True).stdout.split()  # fmt: skip
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        killed.extend(pids)
+
+    killed: list[str] = []
+    thread = threading.Thread(target=run, daemon=True)
+    thread.killed = killed
+    thread.start()
+    return thread
+
+
 def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     from mlflow.tracking import MlflowClient
 
@@ -56,9 +82,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
 
     monkeypatch.chdir(ROOT)  # the recipe's data paths are relative to the project root
     recipe = tiny_recipe_in(tmp_path)
+    killer = kill_trainer_after_first_checkpoint(tmp_path / "work" / "runs" / "tiny" / "checkpoints")
     state = pretrain_pipeline(PipelineParams(recipe=recipe), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
+    killer.join(timeout=5)
+    assert len(killer.killed) == 1  # one trainer died mid-stage; Prefect's retry relaunched it and it resumed
 
     # 48 steps of 1024 tokens, a checkpoint every 16384 tokens -> 3 evaluated, registered versions
     tokens = [r.tokens for r in result.registrations]
@@ -87,7 +116,9 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
 
     # Prefect saw the stages, one evaluate and one register per checkpoint
     names = _task_names(state.state_details.flow_run_id)
-    assert sum(n == "train_stage" for n in names) == 2
+    assert sum(n == "train_stage" for n in names) == 2  # the killed stage was retried, not re-created
+    logs = (tmp_path / "work" / "runs" / "tiny" / "logs" / "literary" / "rank0.log").read_text()
+    assert logs.count("fresh at 0 tokens") == 1 and "resume at 16384 tokens" in logs
     assert sum(n == "evaluate_checkpoint" for n in names) == 3
     assert sum(n == "register_checkpoint" for n in names) == 3
 
