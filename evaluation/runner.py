@@ -80,20 +80,24 @@ def run_tasks(
 ) -> GauntletReport:
     seq_len = cfg.max_seq_len or max_seq_len
     found, skipped = _find_files(tasks, cfg)
+    # Read and check every file before scoring anything: a bad line fails in seconds, not after an hour.
+    loaded: dict[str, list[Record]] = {}
+    for task in tasks:
+        if task.label in found:
+            loaded[task.label] = validate_records(task, found[task.label], read_jsonl(found[task.label]))
+            if not loaded[task.label]:
+                skipped[task.label] = "task file has no records"
+                del loaded[task.label]
     was_training = getattr(model, "training", False)
     model.eval()
     results: list[TaskResult] = []
     total = Throughput()
     try:
         for task in tasks:
-            if task.label not in found:
+            if task.label not in loaded:
                 continue
             uri = found[task.label]
-            records = validate_records(task, uri, read_jsonl(uri))
-            if not records:
-                skipped[task.label] = "task file has no records"
-                continue
-            parts = _partitions(task, records)
+            parts = _partitions(task, loaded[task.label])
             for n in task.num_fewshot:
                 per_cat: dict[str, float] = {}
                 accs, count = [], 0

@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from evaluation.config import EvalConfig
+from evaluation.errors import GauntletError
 from tasks.tracking import resolved_uri
 from tasks.tracking_config import TrackingConfig
 from trainers.checkpoints import CheckpointInfo
@@ -34,9 +35,26 @@ def artifact_key(tokens: int) -> str:
     return f"gauntlet-tok-{tokens:012d}"
 
 
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry crashes and flaky I/O, not a malformed task file: that fails the same way every time."""
+    try:
+        state.result()
+    except GauntletError:
+        return False
+    except Exception:  # noqa: BLE001 - anything else may be transient
+        return True
+    return True
+
+
 # Not cached: the side effects (MLflow metrics, artifacts) are the point, and a rerun is idempotent
 # enough (same metric values at the same step) while a stale cache hit would hide a changed gauntlet.
-@task(retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="evaluate-tok-{checkpoint.tokens}")
+@task(
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_bad_input,
+    cache_policy=NO_CACHE,
+    task_run_name="evaluate-tok-{checkpoint.tokens}",
+)
 def evaluate_checkpoint(
     checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str, max_seq_len: int
 ) -> EvalSummary:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from evaluation.prompts import Record, fewshot_indices, prepare_split, prompt_texts, validate_records
 from evaluation.spec import TaskSpec

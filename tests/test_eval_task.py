@@ -184,3 +184,21 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
     assert f"({out.average - out.baseline_average:+.4f})" in out.markdown
     assert sorted(Path(f).name for f in out.files) == ["comparison.md", "report.html", "report.json", "report.md"]
     assert list(cwd.iterdir()) == []
+
+
+def test_eval_command_raises_one_line_gauntlet_errors(prefect_harness, tmp_path):
+    from evaluation.errors import GauntletError
+    from flows.evaluate import eval_command
+
+    with pytest.raises(GauntletError, match=r"nowhere\.pt: no such checkpoint file, HF model directory or MLflow model URI"):
+        eval_command(str(tmp_path / "nowhere.pt"), str(ROOT / "configs" / "gauntlet" / "tiny_tasks.yaml"))
+
+
+def test_bad_input_is_not_retried():
+    from prefect.states import Failed
+
+    from evaluation.errors import GauntletError
+    from tasks.evaluate import retry_unless_bad_input
+
+    assert not retry_unless_bad_input(None, None, Failed(data=GauntletError("t.jsonl:3: malformed JSON")))
+    assert retry_unless_bad_input(None, None, Failed(data=OSError("disk hiccup")))

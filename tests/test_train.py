@@ -77,6 +77,66 @@ def test_lr_schedule_is_global_across_stages():
     assert stage_bounds(train) == [(0, 10 * STEP), (10 * STEP, 16 * STEP)]
 
 
+def test_anneal_stage_decays_to_min_from_where_the_schedule_was():
+    stages = [StageConfig(name="main", tokens=8 * STEP, mixture={"a": 1.0}),
+              StageConfig(name="anneal", tokens=4 * STEP, mixture={"b": 1.0}, anneal=True)]  # fmt: skip
+    train = TrainConfig(stages=stages, optim={"lr": 1.0, "schedule": "constant", "min_lr_ratio": 0.1})
+    lrs = [lr_multiplier(train, t, STEP) for t in range(0, 12 * STEP, STEP)]
+    assert lrs[:8] == [1.0] * 8
+    assert lrs[8:] == pytest.approx([1 - 0.9 * k / 4 for k in (1, 2, 3, 4)])
+
+
+def test_init_from_copies_weights_and_refuses_a_mismatch(tmp_path):
+    import torch
+
+    from trainers.model import build_model, load_weights_from
+
+    build_model(ModelConfig(), 512, 32, 0, seed=1).save_pretrained(tmp_path / "hf")
+    fresh = load_weights_from(build_model(ModelConfig(), 512, 32, 0, seed=2), str(tmp_path / "hf"))
+    source = build_model(ModelConfig(), 512, 32, 0, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), source.state_dict().values()))
+    with pytest.raises(FatalError, match=r"model\.init_from: .* num_hidden_layers=2 .* n_layers=3"):
+        load_weights_from(build_model(ModelConfig(n_layers=3), 512, 32, 0, seed=2), str(tmp_path / "hf"))
+
+
+def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
+    from types import SimpleNamespace
+
+    from trainers.callbacks import LossAnomaly, LossGuard
+    from trainers.config import LossGuardConfig
+
+    saver = SimpleNamespace(last_saved_tokens=None)
+    guard = LossGuard(LossGuardConfig(spike_factor=2.0, warmup_steps=3), 1, 1000, 8, saver)
+
+    def step(loss, tokens):
+        guard.batch_end(SimpleNamespace(total_loss_dict={"loss/train/total": loss}, timestamp=SimpleNamespace(token=tokens)), None)
+
+    for k, loss in enumerate([4.0, 4.1, 3.9, 4.0, 7.9]):  # 7.9 < 2x the running mean: no spike
+        step(loss, 1000 + 100 * (k + 1))
+    saver.last_saved_tokens = 1400  # a checkpoint this launch saved: the rollback point moves, skip resets
+    with pytest.raises(LossAnomaly) as spike:
+        step(9.5, 1600)
+    assert (spike.value.tokens, spike.value.resume_tokens, spike.value.already_skipped) == (1600, 1400, 0)
+    with pytest.raises(LossAnomaly, match="loss is nan at 1700 tokens"):
+        step(float("nan"), 1700)
+
+
+def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
+    from trainers.checkpoints import CheckpointInfo, list_complete, publish
+    from trainers.resume import PublishingCheckpointSaver
+    from trainers.testing import tiny_job
+
+    job = tiny_job(tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2)
+    Path(job.save_folder).mkdir(parents=True)
+    for tokens in (1024, 2048, 2560):
+        path = Path(job.save_folder) / f"tiny-s0-tok{tokens}-rank0.pt"
+        path.write_bytes(b"x")
+        publish(job.save_folder, CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0))
+    PublishingCheckpointSaver(job, 0)._keep_last()
+    assert [c.tokens for c in list_complete(job.save_folder)] == [2048, 2560]
+    assert not (Path(job.save_folder) / "tiny-s0-tok1024-rank0.pt").exists()
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -140,9 +200,9 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
 
     client = MlflowClient(mlflow_uri)
     run_id = client.create_run(client.create_experiment("t")).info.run_id
-    tok = write_hf_tokenizer(tmp_path / "tok")
+    tok = write_hf_tokenizer(tmp_path / "tok", vocab_size=512)
     job, job_path = _job(
-        tmp_path, sources, stages=STAGES[:1], tokenizer_dir=str(tok), vocab_size=50277,
+        tmp_path, sources, stages=STAGES[:1], tokenizer_dir=str(tok), vocab_size=512,
         mlflow=MlflowTarget(tracking_uri=mlflow_uri, run_id=run_id),
     )  # fmt: skip
     log = tmp_path / "samples.jsonl"
@@ -242,7 +302,11 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
     _ok(_launch(job_path, 1, log))
 
     ref_job, ref_root = reference
-    assert read_sample_log(log) == read_sample_log(ref_root / "samples.jsonl")
+    effective = read_sample_log(log)
+    assert effective == read_sample_log(ref_root / "samples.jsonl")
+    for lo, hi, n in [(0, 2560, 80), (2560, 4096, 48)]:  # every sample index of each stage exactly once
+        seen = [i for t, r in effective.items() if lo < t <= hi for i in r["samples"][0]]
+        assert len(seen) == len(set(seen)) == n
     assert [c.tokens for c in list_complete(job.save_folder)] == CKPT_TOKENS
     mine = _model_state(list_complete(job.save_folder)[-1].path)
     ref = _model_state(list_complete(ref_job.save_folder)[-1].path)

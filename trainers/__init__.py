@@ -1,0 +1,16 @@
+"""What runs inside a training pod: `python -m trainers.train --job JOB.json --stage K`.
+
+train.py     thin entrypoint: parse, build, fit, close; exit codes from exit_codes.py
+jobfile.py   read + validate the TrainJob (config.py) without heavy imports
+build.py     assemble the Composer Trainer for one stage
+model.py     the Llama-style decoder, size presets, FLOPs per token
+data.py      one StreamingDataset epoch per stage over the stage's mixture
+schedule.py  the global LR curve (a pure function of tokens) and the callback that applies it
+resume.py    start plan (resume / enter stage / fresh), save-folder repair, publishing saver
+rollback.py  NaN / spike rollback records and the data skip on relaunch
+callbacks.py MLflow metrics, the loss guard, test probes
+export.py    Composer checkpoint -> HF model directory
+checkpoints.py the manifest contract with watchers
+
+Nothing here imports Prefect: the package must run in a bare training image.
+"""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -54,8 +55,6 @@ def _plan(job: TrainJob, stage_index: int) -> StartPlan:
             tmp.write_text(json.dumps(plan.__dict__))
             os.replace(tmp, marker)
         return plan
-    import time
-
     deadline = time.monotonic() + 600
     while not marker.exists():
         if time.monotonic() > deadline:
@@ -81,6 +80,43 @@ def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
         hf_module._is_registered_causal_lm = probe
 
 
+def fsdp_config(job: TrainJob, hf_model, world_size: int) -> dict | None:
+    """Composer parallelism_config for multi-GPU runs (None: single device, or CPU where ranks use DDP).
+
+    Each decoder block is one FSDP unit (and one activation-checkpointing unit): blocks are the
+    natural granularity for all-gathers to overlap compute. Checkpoints stay `full` (one file on
+    rank 0), which keeps the manifest contract and export unchanged.
+    """
+    if not torch.cuda.is_available() or world_size == 1:
+        return None
+    par = job.train.parallelism
+    for layer in hf_model.model.layers:
+        layer._fsdp_wrap = True
+        layer._activation_checkpointing = par.activation_checkpointing
+    fsdp = {
+        "sharding_strategy": par.sharding,
+        "activation_checkpointing": par.activation_checkpointing,
+        "mixed_precision": "DEFAULT",
+        "state_dict_type": "full",
+        "use_orig_params": True,
+    }
+    if par.sharding == "HYBRID_SHARD":  # shard within a node, replicate across nodes
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        fsdp |= {"data_parallel_shard_degree": per_node, "data_parallel_replicate_degree": world_size // per_node}
+    return {"fsdp": fsdp}
+
+
+def _resolve_model_uri(uri: str, job: TrainJob) -> str:
+    """A local HF directory for `model.init_from`; MLflow registry URIs are downloaded first."""
+    if not uri.startswith("models:/"):
+        return uri
+    import mlflow.artifacts
+
+    if job.mlflow is None:
+        raise FatalError(f"model.init_from: {uri} is a registry URI but the job has no mlflow tracking target")
+    return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=job.mlflow.tracking_uri)
+
+
 def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     """The Trainer for stage `stage_index`, resumed as plan_start decides; None if the stage is already done."""
     if not 0 <= stage_index < len(job.train.stages):
@@ -98,6 +134,8 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         return None
 
     hf_model = model_lib.build_model(job.model, job.vocab_size, job.seq_len, job.eos_token_id, job.train.seed)
+    if job.model.init_from and plan.kind == "fresh":  # later launches load the run's own checkpoints
+        model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job))
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -107,7 +145,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
     schedule = GlobalLRSchedule(job.train, job.tokens_per_batch)
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.seq_len).total
-    metrics = MlflowMetrics(job.mlflow, schedule, flops, stage.name, start)
+    metrics = MlflowMetrics(job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens)
     saver = PublishingCheckpointSaver(job, stage_index)
     skip = pending_skip(job, stage_index, plan.tokens)
     callbacks = [
@@ -135,6 +173,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         max_duration=f"{end}tok",
         device_train_microbatch_size=microbatch,
         precision=precision,
+        parallelism_config=fsdp_config(job, hf_model, world_size),
         algorithms=algorithms,
         callbacks=callbacks,
         run_name=job.run_name,

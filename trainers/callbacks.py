@@ -33,6 +33,7 @@ class MlflowMetrics(Callback):
         flops_per_token: int,
         stage_name: str,
         stage_start: int,
+        flush_every_tokens: int,
         flush_every_s: float = 10.0,
     ):
         self.target = target
@@ -41,6 +42,7 @@ class MlflowMetrics(Callback):
         self.stage_name = stage_name
         self.stage_start = stage_start
         self.flush_every_s = flush_every_s
+        self.flush_every_tokens = flush_every_tokens
         self._buffer: list = []
         self._client = None
         self._last_flush = time.monotonic()
@@ -86,7 +88,9 @@ class MlflowMetrics(Callback):
 
             now = int(time.time() * 1000)
             self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
-            if time.monotonic() - self._last_flush > self.flush_every_s:
+            # Also flush at every checkpoint boundary: a kill -9 then loses no metric of a step that
+            # the relaunch will not re-train (and re-log).
+            if time.monotonic() - self._last_flush > self.flush_every_s or tokens % self.flush_every_tokens == 0:
                 self.flush()
 
     def flush(self) -> None:

@@ -28,6 +28,12 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = Field(True, description="Share the input embedding with the output projection.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    init_from: str | None = Field(
+        None,
+        description="Continued pretraining: an HF model directory (or an MLflow 'models:/<name>/<version>' URI, "
+        "resolved against the job's tracking server) whose weights start the run instead of a random init. "
+        "Its architecture must match this section.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -64,6 +70,11 @@ class StageConfig(_Strict):
     tokens: PositiveInt = Field(..., description="Tokens this stage trains on.")
     mixture: dict[str, float] = Field(..., description="Source name -> proportion; proportions sum to 1.")
     lr_scale: float = Field(1.0, gt=0, description="Multiplies the global schedule's LR while this stage trains.")
+    anneal: bool = Field(
+        False,
+        description="Decay the LR linearly from the global schedule's value at this stage's start to "
+        "optim.min_lr_ratio x peak at its end (a final anneal stage, e.g. after a constant schedule).",
+    )
 
     @field_validator("mixture")
     @classmethod
@@ -91,6 +102,15 @@ class LossGuardConfig(_Strict):
     )
 
 
+class ParallelismConfig(_Strict):
+    """How ranks share the model on GPUs. On CPU ranks always run plain DDP over gloo."""
+
+    sharding: Literal["FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] = Field(
+        "FULL_SHARD", description="FSDP sharding strategy when procs_per_node > 1 on GPUs."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+
+
 class TrainConfig(_Strict):
     """How to train: batch geometry, optimizer, seed and the curriculum."""
 
@@ -108,6 +128,9 @@ class TrainConfig(_Strict):
         1,
         description="Streaming num_canonical_nodes: fixes the global sample order independently of the "
         "process count, so a run resumed on a different number of ranks sees the same samples.",
+    )
+    parallelism: ParallelismConfig = Field(
+        default_factory=lambda: ParallelismConfig(), description="FSDP settings for multi-GPU runs."
     )
     loss_guard: LossGuardConfig = Field(
         default_factory=lambda: LossGuardConfig(), description="NaN / loss-spike detection and rollback."

@@ -9,6 +9,11 @@ single number, the sample index within the epoch, which Composer checkpoints thr
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import torch
 from composer.core import DataSpec
@@ -49,6 +54,14 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
+def _stream(path: str, proportion: float) -> Stream:
+    """A local MDS directory is read in place; a remote one (s3://...) is cached under TESSERA_STREAM_CACHE."""
+    if "://" not in path:
+        return Stream(local=path, proportion=proportion)
+    cache = Path(os.environ.get("TESSERA_STREAM_CACHE", Path(tempfile.gettempdir()) / "tessera-streams"))
+    return Stream(remote=path, local=str(cache / hashlib.sha1(path.encode()).hexdigest()[:16]), proportion=proportion)
+
+
 def stage_samples(job: TrainJob, stage_index: int) -> int:
     return job.train.stages[stage_index].tokens // job.seq_len
 
@@ -62,7 +75,7 @@ def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSp
         )
     device_batch = job.train.global_batch_size // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
-    streams = [Stream(local=job.streams[name], proportion=p) for name, p in sorted(stage.mixture.items())]
+    streams = [_stream(job.streams[name], p) for name, p in sorted(stage.mixture.items())]
     dataset = TokenSamples(
         seq_len=job.seq_len,
         streams=streams,

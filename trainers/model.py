@@ -122,3 +122,30 @@ def total_params(cfg: ModelConfig, vocab_size: int) -> int:
     per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
     embeddings = vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return L * per_block + embeddings + d
+
+
+def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausalLM:
+    """Continued pretraining: copy an HF model directory's weights into `model`, which was built from the recipe.
+
+    Building from the recipe and copying (rather than adopting the directory's config) keeps one
+    source of truth for the architecture; a directory that does not fit is refused by name.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainers.exit_codes import FatalError
+
+    theirs = AutoConfig.from_pretrained(source_dir)
+    ours = model.config
+    for field, name in [
+        ("num_hidden_layers", "n_layers"), ("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
+        ("num_key_value_heads", "n_kv_heads"), ("intermediate_size", "ffn_hidden"), ("vocab_size", "vocab_size"),
+        ("tie_word_embeddings", "tie_embeddings"),
+    ]:  # fmt: skip
+        if getattr(theirs, field, None) != getattr(ours, field):
+            raise FatalError(
+                f"model.init_from: {source_dir} has {field}={getattr(theirs, field, None)!r} but the recipe "
+                f"builds {name}={getattr(ours, field)!r}"
+            )
+    source = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+    model.load_state_dict(source.state_dict(), strict=True)
+    return model

@@ -123,6 +123,11 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     """Repair the save folder after a kill and decide where stage `stage_index` starts. Rank 0 only."""
     if not 0 <= stage_index < len(job.train.stages):
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
+    if "://" in job.save_folder:
+        raise FatalError(
+            f"save_folder: {job.save_folder} is remote; this trainer resumes from and publishes to local "
+            "(or mounted) folders only"
+        )
     folder = Path(job.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     _check_ledger(job, stage_index)

@@ -25,25 +25,33 @@ def stage_bounds(train: TrainConfig) -> list[tuple[int, int]]:
     return bounds
 
 
+def _base(train: TrainConfig, done: int) -> float:
+    """The global warmup + decay curve at `done` tokens, before stage scaling."""
+    optim = train.optim
+    horizon = optim.decay_tokens or sum(s.tokens for s in train.stages)
+    if optim.warmup_tokens and done <= optim.warmup_tokens:
+        return done / optim.warmup_tokens
+    span = max(horizon - optim.warmup_tokens, 1)
+    progress = min(max((done - optim.warmup_tokens) / span, 0.0), 1.0)
+    floor = optim.min_lr_ratio
+    if optim.schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "linear":
+        return 1 - (1 - floor) * progress
+    return 1.0
+
+
 def lr_multiplier(train: TrainConfig, tokens: int, step_tokens: int) -> float:
     """Multiplier of the peak LR for the step that starts at `tokens` and trains `step_tokens` tokens."""
     optim = train.optim
-    horizon = optim.decay_tokens or sum(s.tokens for s in train.stages)
     done = tokens + step_tokens  # the step is "at" its end, so the first warmup step is not a zero-LR no-op
-    if optim.warmup_tokens and done <= optim.warmup_tokens:
-        base = done / optim.warmup_tokens
-    else:
-        span = max(horizon - optim.warmup_tokens, 1)
-        progress = min(max((done - optim.warmup_tokens) / span, 0.0), 1.0)
-        floor = optim.min_lr_ratio
-        if optim.schedule == "cosine":
-            base = floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        elif optim.schedule == "linear":
-            base = 1 - (1 - floor) * progress
-        else:
-            base = 1.0
+    base = _base(train, done)
     for stage, (start, end) in zip(train.stages, stage_bounds(train)):
         if start <= tokens < end:
+            if stage.anneal:
+                at_start = _base(train, start)
+                progress = (done - start) / (end - start)
+                base = at_start + (optim.min_lr_ratio - at_start) * progress
             return base * stage.lr_scale
     return base * train.stages[-1].lr_scale
 

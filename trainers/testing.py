@@ -30,28 +30,25 @@ def write_mds(out: str | Path, n_samples: int, seq_len: int, vocab_size: int, se
     return Path(out)
 
 
-def write_text_mds(out: str | Path, text_file: str | Path, n_samples: int, seq_len: int, eos_id: int) -> Path:
-    """MDS of real text packed into seq_len windows with EOS between documents (paragraphs)."""
-    from streaming import MDSWriter
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(NEOX_TOKENIZER))
-    ids: list[int] = []
-    for para in Path(text_file).read_text().split("\n\n"):
-        ids.extend(tok.encode(para).ids + [eos_id])
-        if len(ids) >= n_samples * seq_len:
-            break
-    arr = np.asarray(ids[: n_samples * seq_len], dtype=np.uint16).reshape(-1, seq_len)
-    with MDSWriter(out=str(out), columns={"tokens": "ndarray:uint16"}, size_limit=1 << 16) as writer:
-        for row in arr:
-            writer.write({"tokens": row})
-    return Path(out)
-
-
-def write_hf_tokenizer(out: str | Path) -> Path:
+def write_hf_tokenizer(out: str | Path, vocab_size: int | None = None) -> Path:
+    """An HF tokenizer directory: GPT-NeoX's, or a byte-level BPE of `vocab_size` trained on a little Shakespeare
+    (small vocabularies keep test models and checkpoints small)."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(NEOX_TOKENIZER), eos_token="<|endoftext|>")
+    if vocab_size is None:
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(NEOX_TOKENIZER), eos_token="<|endoftext|>")
+    else:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        text = (ROOT / "data" / "corpora" / "tinyshakespeare" / "input.txt").read_text()[:50_000]
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+        bpe.train_from_iterator(text.split("\n\n"), trainer)
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tok.save_pretrained(str(out))
     return Path(out)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
 from trainers.exit_codes import ExitCode, FatalError, classify
@@ -31,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         # Heavy imports after validating, so `--help` and a bad job file answer at once.
         from trainers.build import build_trainer
         from trainers.rollback import record_anomaly
+
+        # Composer turns SIGTERM into exit code 143, which says nothing to a supervisor. The
+        # launcher sends it to the surviving ranks when a peer dies, and Kubernetes on
+        # preemption: both are worth a relaunch, which resumes from the last checkpoint.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(ExitCode.RETRYABLE))
 
         trainer = build_trainer(job, args.stage)
         if trainer is None:  # the stage finished in an earlier launch
