@@ -33,3 +33,20 @@ def prefect_harness(tmp_path_factory):
 def mlflow_uri(tmp_path) -> str:
     """A fresh sqlite-backed MLflow tracking store and registry."""
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture()
+def moto_s3(monkeypatch):
+    """A real S3-compatible server (moto's server mode) on localhost; yields a boto3 client for it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    for k, v in {"S3_ENDPOINT_URL": url, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    yield boto3.client("s3", endpoint_url=url)
+    server.stop()

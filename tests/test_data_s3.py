@@ -21,23 +21,11 @@ def tok_info(tmp_path_factory):
 
 
 @pytest.fixture()
-def s3(monkeypatch):
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    for k, v in {"S3_ENDPOINT_URL": url, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
+def s3(moto_s3):
+    storage._s3_client.cache_clear()  # the client is cached per endpoint; each test has a fresh server
+    moto_s3.create_bucket(Bucket="corpus")
+    yield moto_s3
     storage._s3_client.cache_clear()
-    client = boto3.client("s3", endpoint_url=url)
-    client.create_bucket(Bucket="corpus")
-    yield client
-    storage._s3_client.cache_clear()
-    server.stop()
 
 
 def _run(tmp_path, tok, source, **kw):

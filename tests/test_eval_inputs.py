@@ -117,21 +117,9 @@ def test_has_categories_scores_each_category_then_averages(tmp_path):
 
 
 @pytest.fixture()
-def s3_bucket(monkeypatch):
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    for k, v in {"S3_ENDPOINT_URL": url, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3", endpoint_url=url)
-    client.create_bucket(Bucket="evals")
-    yield client
-    server.stop()
+def s3_bucket(moto_s3):
+    moto_s3.create_bucket(Bucket="evals")
+    return moto_s3
 
 
 def test_task_files_and_yamls_resolve_under_an_s3_root(s3_bucket, tmp_path):

@@ -24,9 +24,11 @@ SEQ, BATCH = 32, 8
 STEP = SEQ * BATCH  # 256 tokens per optimizer step
 STAGES = [
     StageConfig(name="warm", tokens=10 * STEP, mixture={"a": 1.0}),
-    StageConfig(name="mix", tokens=6 * STEP, mixture={"a": 0.5, "b": 0.5}, lr_scale=0.5),
+    # Stage 2 doubles the batch: 3 steps of 16 x 32 tokens.
+    StageConfig(name="mix", tokens=6 * STEP, mixture={"a": 0.5, "b": 0.5}, lr_scale=0.5, global_batch_size=16),
 ]
-CKPT_TOKENS = [1024, 2048, 2560, 3072, 4096]  # every 4 steps and at each stage end
+STEPS = [t * STEP for t in range(1, 11)] + [2560 + t * 2 * STEP for t in range(1, 4)]  # token count after each step
+CKPT_TOKENS = [1024, 2048, 2560, 3072, 4096]  # on crossing every 1024 tokens, and at each stage end
 
 
 # ---------------------------------------------------------------- fast, in-process
@@ -252,17 +254,17 @@ def test_two_stage_curriculum_continues_schedule_and_optimizer(reference):
     assert [(c.tokens, c.stage) for c in done] == list(zip(CKPT_TOKENS, ["warm"] * 3 + ["mix"] * 2))
 
     steps = read_sample_log(root / "samples.jsonl")
-    assert list(steps) == [t * STEP for t in range(1, 17)]
+    assert list(steps) == STEPS
     warm = [i for t, r in steps.items() if t <= 2560 for i in r["samples"][0]]
     mix = [i for t, r in steps.items() if t > 2560 for i in r["samples"][0]]
     assert len(set(warm)) == len(warm) == 80 and max(warm) < 200  # stage 1 reads only source a
-    assert len(set(mix)) == len(mix) == 48
+    assert len(set(mix)) == len(mix) == 48 and all(len(r["samples"][0]) == 16 for t, r in steps.items() if t > 2560)
     assert sum(i >= 200 for i in mix) == 24  # 50/50: b's samples follow a's 200 in the index space
 
     # Optimizer state carried across the stage switch: Adam's step counter did not restart.
     end = _model_state(done[-1].path)
-    assert end["timestamp"]["Timestamp"]["batch"] == 16
-    assert all(int(s["step"]) == 16 for s in end["optimizers"]["AdamW"]["state"].values())
+    assert end["timestamp"]["Timestamp"]["batch"] == 13
+    assert all(int(s["step"]) == 13 for s in end["optimizers"]["AdamW"]["state"].values())
 
 
 @pytest.mark.slow
@@ -295,7 +297,7 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
     partial = Path(job.save_folder) / "tiny-s0-tok2048-rank0.pt"
     assert partial.exists() and [c.tokens for c in list_complete(job.save_folder)] == [1024]
     _ok(_launch(job_path, 0, log))
-    assert _launch(job_path, 1, log, fault="step:3328").returncode == -9
+    assert _launch(job_path, 1, log, fault="step:3584").returncode == -9
     # Bit rot in the newest complete checkpoint: the relaunch must notice and fall back.
     newest = Path(list_complete(job.save_folder)[-1].path)
     newest.write_bytes(newest.read_bytes()[:-100])
@@ -363,5 +365,5 @@ def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024, 2048, 2560]
 
     # The rollback budget is spent: the next anomaly is fatal.
-    again = _launch(job_path, 1, log, fault="nan:3328")
+    again = _launch(job_path, 1, log, fault="nan:3584")
     assert again.returncode == ExitCode.FATAL and "max_rollbacks=1" in again.stderr
