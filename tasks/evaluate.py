@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
+from tasks.retry import retry_unless
 from tasks.tracking import resolved_uri
 from tasks.tracking_config import TrackingConfig
 from trainers.checkpoints import CheckpointInfo
@@ -35,15 +36,8 @@ def artifact_key(tokens: int) -> str:
     return f"gauntlet-tok-{tokens:012d}"
 
 
-def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Retry crashes and flaky I/O, not a malformed task file: that fails the same way every time."""
-    try:
-        state.result()
-    except GauntletError:
-        return False
-    except Exception:  # noqa: BLE001 - anything else may be transient
-        return True
-    return True
+# Retry crashes and flaky I/O, not a malformed task file: that fails the same way every time.
+retry_unless_bad_input = retry_unless(GauntletError)
 
 
 # Not cached: the side effects (MLflow metrics, artifacts) are the point, and a rerun is idempotent

@@ -20,6 +20,7 @@ from tasks.data.config import DataConfig, SourceConfig, TokenizerConfig
 from tasks.data.errors import DataError
 from tasks.data.results import PreparedSource
 from tasks.data.tokenizer import TokenizerInfo
+from tasks.retry import retry_unless
 
 # Progress callbacks by source name, set by the flow in this process; kept out of the task's
 # parameters because Prefect records parameters and a callable is not data.
@@ -30,15 +31,8 @@ def _path_key(kind: str, out: str) -> str:
     return f"tessera-{kind}-{hashlib.sha256(os.path.abspath(out).encode()).hexdigest()[:24]}"
 
 
-def _retry_unless_bad_input(task, task_run, state) -> bool:
-    # Bad input fails the same way every time; only retry what might be transient (I/O, S3).
-    try:
-        state.result()
-    except DataError:
-        return False
-    except Exception:
-        return True
-    return False
+# Bad input fails the same way every time; only retry what might be transient (I/O, S3).
+_retry_unless_bad_input = retry_unless(DataError)
 
 
 def tokenizer_cache_key(context, parameters) -> str:

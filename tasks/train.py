@@ -16,6 +16,7 @@ from prefect.logging import get_run_logger
 
 from infra import backend_for
 from infra.config import ComputeConfig
+from tasks.retry import retry_unless
 from trainers.config import TrainJob
 from trainers.exit_codes import FATAL
 
@@ -23,11 +24,11 @@ USAGE_ERROR = 2  # argparse
 
 
 class TrainingFailed(RuntimeError):
-    """A training job exited non-zero; `retryable` says whether relaunching can help."""
+    """A training job exited non-zero; relaunching it resumes from its last checkpoint."""
 
-    def __init__(self, message: str, retryable: bool):
-        super().__init__(message)
-        self.retryable = retryable
+
+class TrainingFatal(TrainingFailed):
+    """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
 
 
 def write_job(job: TrainJob, path: Path) -> Path:
@@ -40,17 +41,7 @@ def write_job(job: TrainJob, path: Path) -> Path:
     return path
 
 
-def _retry_if_retryable(task, task_run, state) -> bool:
-    try:
-        state.result()
-    except TrainingFailed as exc:
-        return exc.retryable
-    except Exception:  # noqa: BLE001 - anything else (e.g. a launcher crash) may be transient
-        return True
-    return False
-
-
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_if_retryable, cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal), cache_policy=NO_CACHE)
 def train_stage(job_path: str, stage_index: int, stage_name: str, compute: ComputeConfig, log_dir: str) -> int:
     """Run stage `stage_index` of the job to its end; returns the job's exit code (0)."""
     logger = get_run_logger()
@@ -67,8 +58,7 @@ def train_stage(job_path: str, stage_index: int, stage_name: str, compute: Compu
         # Signals (a node lost, an OOM kill) and unknown crashes resume from the last checkpoint;
         # only the trainer's fatal codes and usage errors would fail the same way again.
         retryable = code not in FATAL and code != USAGE_ERROR
+        error = TrainingFailed if retryable else TrainingFatal
         kind = "retryable" if retryable else "fatal"
-        raise TrainingFailed(
-            f"stage {stage_name}: trainer exited with code {code} ({kind}); last log lines:\n{job.tail()}", retryable
-        )
+        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}); last log lines:\n{job.tail()}")
     return code

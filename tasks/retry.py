@@ -1,0 +1,20 @@
+"""Retry conditions for Prefect tasks: retry what may be transient, never what fails the same way again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def retry_unless(*permanent: type[BaseException]) -> Callable[..., bool]:
+    """A `retry_condition_fn` that retries any failure except the `permanent` exception types."""
+
+    def condition(task, task_run, state) -> bool:
+        try:
+            state.result()
+        except permanent:
+            return False
+        except Exception:  # noqa: BLE001 - crashes, I/O and lost peers may well pass on a second try
+            return True
+        return False
+
+    return condition
