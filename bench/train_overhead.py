@@ -72,14 +72,16 @@ def tessera(job, warmup: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 keeps torch's default")
+    # One thread by default: on a shared CPU box, spinning OpenMP workers of either side make the
+    # two measurements differ by 4x from run to run; pass 0 to keep torch's default.
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -32,6 +33,11 @@ def _work_prefect_home(work_dir: str) -> None:
         home = Path(work_dir).resolve() / "prefect"
         home.mkdir(parents=True, exist_ok=True)  # the server's sqlite cannot create its own folder
         os.environ["PREFECT_HOME"] = str(home)
+        # profiles live under PREFECT_HOME by default: keep the user's (an API URL set with
+        # `prefect config set`, a Cloud login) instead of silently dropping them
+        profiles = Path("~/.prefect/profiles.toml").expanduser()
+        if profiles.is_file():
+            os.environ.setdefault("PREFECT_PROFILES_PATH", str(profiles))
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
@@ -64,9 +70,11 @@ def _install_log_filter() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.recipe import load_recipe
+    from flows.recipe import NAME_PATTERN, RecipeError, load_recipe
 
     recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
+    if args.run_name is not None and not re.fullmatch(NAME_PATTERN, args.run_name):
+        raise RecipeError(f"--run-name: {args.run_name!r} must match {NAME_PATTERN}")
     _work_prefect_home(recipe.work_dir)
     from flows.pipeline import PipelineParams, pretrain_pipeline
 

@@ -7,18 +7,20 @@ register task runs, so training never waits for the gauntlet.
 
 from __future__ import annotations
 
-import time
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, wait
+from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel, Field
 
 from flows.prepare import prepare_data
-from flows.recipe import Recipe, load_recipe
+from flows.recipe import NAME_PATTERN, Recipe, load_recipe
+from infra import cancel_all
 from tasks.evaluate import evaluate_checkpoint
-from tasks.register import Registration, existing_registrations, register_checkpoint
+from tasks.register import Registration, existing_registrations, move_aliases, register_checkpoint
 from tasks.tracking import close_run, open_run, resolved_uri
 from tasks.train import train_stage, write_job
 from trainers.checkpoints import CheckpointInfo, list_complete
@@ -32,7 +34,9 @@ class PipelineParams(BaseModel):
 
     recipe: str = Field(..., description="Path to the recipe YAML (relative paths resolve against the worker's cwd).")
     run_name: str | None = Field(
-        None, description="Names the run; the same name resumes its checkpoints and MLflow run. Defaults to the recipe name."
+        None,
+        pattern=NAME_PATTERN,
+        description="Names the run; the same name resumes its checkpoints and MLflow run. Defaults to the recipe name.",
     )
 
 
@@ -43,12 +47,20 @@ class PipelineResult(BaseModel):
 
 
 class _CheckpointWatcher:
-    """Submits evaluate -> register for each checkpoint not seen before, registers in order."""
+    """Evaluates, then registers, each checkpoint not seen before.
 
-    def __init__(self, recipe: Recipe, run_id: str, max_seq_len: int):
-        self.recipe, self.run_id, self.max_seq_len = recipe, run_id, max_seq_len
+    Evaluations run one at a time (they share the CPU with training) and registrations one at a
+    time (alias moves must not interleave); a failed evaluation skips only its own registration.
+    Each checkpoint is hard-linked into `pins/` first, so a keep-last-K cleanup in the trainer
+    cannot delete it while it waits to be scored and exported.
+    """
+
+    def __init__(self, recipe: Recipe, run_id: str, run_dir: Path):
+        self.recipe, self.run_id = recipe, run_id
+        self.pins = run_dir / "pins"
         self.seen: set[int] = set()
-        self.registrations: list[PrefectFuture | Registration] = []
+        self.pending: list[tuple[PrefectFuture, PrefectFuture, Path]] = []
+        self.done: list[Registration] = []
         self.already = existing_registrations(recipe.tracking, run_id)
 
     def sweep(self, save_folder: Path) -> None:
@@ -56,23 +68,62 @@ class _CheckpointWatcher:
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
                 self._submit(ckpt)
+        self._unpin_finished()
+
+    def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
+        self.pins.mkdir(parents=True, exist_ok=True)
+        pin = self.pins / Path(ckpt.path).name
+        try:
+            if not pin.exists():
+                os.link(ckpt.path, pin)
+        except FileNotFoundError:  # deleted between the listing and now: nothing left to score
+            return None
+        return ckpt.model_copy(update={"path": str(pin)})
 
     def _submit(self, ckpt: CheckpointInfo) -> None:
         if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
-            self.registrations.append(self.already[ckpt.tokens])
+            self.done.append(self.already[ckpt.tokens])
             return
+        pinned = self._pin(ckpt)
+        if pinned is None:
+            return
+        previous = self.pending[-1] if self.pending else None
         summary = evaluate_checkpoint.submit(
-            ckpt, self.recipe.eval, self.recipe.tracking, self.run_id, self.max_seq_len
-        )
-        # Registration waits on the previous one so alias moves never interleave.
-        previous = [f for f in self.registrations[-1:] if isinstance(f, PrefectFuture)] or None
+            pinned, self.recipe.eval, self.recipe.tracking, self.run_id, self.recipe.data.seq_len,
+            wait_for=[allow_failure(previous[0])] if previous else None,
+        )  # fmt: skip
         registration = register_checkpoint.submit(
-            ckpt, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(), wait_for=previous
-        )
-        self.registrations.append(registration)
+            pinned, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(),
+            wait_for=[allow_failure(previous[1])] if previous else None,
+        )  # fmt: skip
+        self.pending.append((summary, registration, Path(pinned.path)))
+
+    def _unpin_finished(self) -> None:
+        finished = wait([r for _, r, _ in self.pending], timeout=0).done  # local futures: no API round trip
+        for _, registration, pin in self.pending:
+            if registration in finished:
+                pin.unlink(missing_ok=True)
 
     def results(self) -> list[Registration]:
-        return [f.result() if isinstance(f, PrefectFuture) else f for f in self.registrations]
+        """Every registration, oldest first; raises the first evaluation or registration error."""
+        wait([f for pair in self.pending for f in pair[:2]])
+        self._unpin_finished()
+        for summary, registration, _ in self.pending:
+            summary.result()  # surfaces a failed evaluation as itself, not as an unfinished registration
+            self.done.append(registration.result())
+        return sorted(self.done, key=lambda r: r.tokens)
+
+
+def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, watcher: _CheckpointWatcher):
+    save_folder = Path(job.save_folder)
+    for k, stage in enumerate(recipe.train.stages):
+        training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
+            str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs")
+        )
+        while not wait([training], timeout=POLL_SECONDS).done:
+            watcher.sweep(save_folder)
+        training.result()
+        watcher.sweep(save_folder)
 
 
 @flow(name="pretrain_pipeline", log_prints=True)
@@ -82,6 +133,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     run_name = params.run_name or recipe.name
     run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
 
+    # first: a dead tracking server should stop the run before any compute is spent
     run_id = open_run(
         recipe.tracking,
         run_name,
@@ -89,48 +141,48 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
         params={"seq_len": str(recipe.data.seq_len), "n_layers": str(recipe.model.n_layers),
                 "d_model": str(recipe.model.d_model), "stages": ",".join(s.name for s in recipe.train.stages)},
     )  # fmt: skip
-    # after open_run: a dead tracking server should stop the run before any compute is spent
-    prepared = prepare_data(recipe.data)
-    job = TrainJob(
-        run_name=run_name,
-        model=recipe.model,
-        train=recipe.train,
-        vocab_size=prepared.tokenizer.vocab_size,
-        eos_token_id=prepared.tokenizer.eos_token_id,
-        seq_len=recipe.data.seq_len,
-        streams={name: str(src.path) for name, src in prepared.sources.items()},
-        save_folder=str(run_dir / "checkpoints"),
-        checkpoint_every_tokens=recipe.eval.every,
-        tokenizer_dir=str(prepared.tokenizer.hf_dir),
-        mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
-    )
-    job_path = write_job(job, run_dir / "job.json")
-
-    watcher = _CheckpointWatcher(recipe, run_id, recipe.data.seq_len)
     status = "FAILED"
     try:
-        for k, stage in enumerate(recipe.train.stages):
-            training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
-                str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), wait_for=None
-            )
-            while not training.state.is_final():
-                watcher.sweep(Path(job.save_folder))
-                time.sleep(POLL_SECONDS)
-            training.result()
-            watcher.sweep(Path(job.save_folder))
+        prepared = prepare_data(recipe.data)
+        job = TrainJob(
+            run_name=run_name,
+            model=recipe.model,
+            train=recipe.train,
+            vocab_size=prepared.tokenizer.vocab_size,
+            eos_token_id=prepared.tokenizer.eos_token_id,
+            seq_len=recipe.data.seq_len,
+            streams={name: str(src.path) for name, src in prepared.sources.items()},
+            save_folder=str(run_dir / "checkpoints"),
+            checkpoint_every_tokens=recipe.eval.every,
+            tokenizer_dir=str(prepared.tokenizer.hf_dir),
+            mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
+        )
+        job_path = write_job(job, run_dir / "job.json")
+        watcher = _CheckpointWatcher(recipe, run_id, run_dir)
+        try:
+            _train_and_watch(recipe, job, job_path, run_dir, watcher)
+        except BaseException:
+            # The stage runs in a task thread that Prefect cannot interrupt: stop its job here, so a
+            # failed or interrupted flow never leaves a trainer writing into the run's folder.
+            cancel_all()
+            raise
         registrations = watcher.results()
+        if registrations:  # a rerun after a crash between registering and moving aliases heals here
+            latest, best = move_aliases(recipe.tracking, run_id)
+            registrations = [r.model_copy(update={"latest": latest, "best": best}) for r in registrations]
         status = "FINISHED"
     finally:
         close_run(recipe.tracking, run_id, status)
 
-    table = "\n".join(
-        f"| {r.tokens} | {r.version} | {'created' if r.created else 'existing'} |" for r in registrations
+    rows = "\n".join(f"| {r.tokens:,} | v{r.version} | {'new' if r.created else 'existing'} |" for r in registrations)
+    summary = (
+        f"# {recipe.tracking.registered_model}\n\n| tokens | version | |\n|---:|---|---|\n{rows}\n\n"
+        f"latest-checkpoint = v{registrations[-1].latest}, best = v{registrations[-1].best}\n"
+        if registrations
+        else "No checkpoint was registered."
     )
     create_markdown_artifact(
-        key="registered-versions",
-        markdown=f"# {recipe.tracking.registered_model}\n\n| tokens | version | |\n|---|---|---|\n{table}\n\n"
-        f"latest = v{registrations[-1].latest}, best = v{registrations[-1].best}\n" if registrations else "none",
-        description=f"Model versions registered by run {run_name}",
+        key="registered-versions", markdown=summary, description=f"Model versions registered by run {run_name}"
     )
     logger.info("run %s: %d versions registered", run_name, len(registrations))
     return PipelineResult(run_name=run_name, mlflow_run_id=run_id, registrations=registrations)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evaluation.config import EvalConfig
 from infra.config import ComputeConfig
@@ -24,19 +24,29 @@ class RecipeError(ValueError):
     """A recipe that cannot be used; str() is one line naming the file, line and field."""
 
 
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
 class Recipe(BaseModel):
     """The whole pipeline's input. Components receive their own section, never this object."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Run family name; scopes work dirs and runs.")
-    work_dir: str = Field(".tessera", description="Where runs, checkpoints and job specs go.")
+    name: str = Field(..., pattern=NAME_PATTERN, description="Run family name; scopes work dirs and runs.")
+    work_dir: str = Field(".tessera", description="Local directory for runs, checkpoints and job specs.")
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig
     eval: EvalConfig
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     tracking: TrackingConfig
+
+    @field_validator("work_dir")
+    @classmethod
+    def _local_work_dir(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError(f"must be a local directory, not a URI ({value})")
+        return value
 
     def content_hash(self) -> str:
         """Stable hash of everything that defines the run; stored as the `recipe_hash` tag."""
@@ -58,10 +68,11 @@ class Recipe(BaseModel):
                 ("eval", "every"), f"{self.eval.every} is not a multiple of global_batch_size*seq_len ({per_batch})"
             )
         for i, stage in enumerate(self.train.stages):
-            if stage.tokens % per_batch:
+            per_step = (stage.global_batch_size or self.train.global_batch_size) * self.data.seq_len
+            if stage.tokens % per_step:
                 raise _CrossCheckError(
                     ("train", "stages", i, "tokens"),
-                    f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_batch})",
+                    f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})",
                 )
 
 
@@ -73,22 +84,29 @@ class _CrossCheckError(Exception):
         self.loc, self.msg = loc, msg
 
 
-def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
-    """1-based line of the deepest YAML node on the path `loc` (pydantic's error location)."""
-    line = None
-    for key in loc:
+def _locate(node: yaml.Node | None, loc: tuple) -> tuple[int | None, tuple]:
+    """The 1-based line of the deepest YAML node on pydantic's error path `loc`, and that path as
+    the user wrote it: union tags (e.g. `text` in `data.sources.0.text.paths`) name no YAML key and
+    are dropped; a key missing at the end of the path (a required field) points at its parent."""
+    line, path = None, []
+    for i, key in enumerate(loc):
         if node is None:
-            break
+            path.append(key)
+            continue
         line = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
-            node = next((v for k, v in node.value if k.value == key), None)
+            child = next((v for k, v in node.value if k.value == key), None)
+            if child is None and i + 1 < len(loc):
+                continue  # a discriminator tag, not a key
+            node = child
         elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
             node = node.value[key]
         else:
             node = None
+        path.append(key)
     if node is not None:
         line = node.start_mark.line + 1
-    return line
+    return line, tuple(path)
 
 
 def _dotted(loc: tuple) -> str:
@@ -112,13 +130,13 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        line = _line_of(tree, loc)
+        line, loc = _locate(tree, loc)
         msg = err["msg"].removeprefix("Value error, ")
         more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise RecipeError(f"{source}{f':{line}' if line else ''}: {_dotted(loc)}: {msg}{more}") from None
     except _CrossCheckError as exc:
-        line = _line_of(tree, exc.loc)
-        raise RecipeError(f"{source}{f':{line}' if line else ''}: {_dotted(exc.loc)}: {exc.msg}") from None
+        line, loc = _locate(tree, exc.loc)
+        raise RecipeError(f"{source}{f':{line}' if line else ''}: {_dotted(loc)}: {exc.msg}") from None
     return recipe
 
 

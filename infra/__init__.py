@@ -1,3 +1,3 @@
-from infra.local import backend_for
+from infra.local import backend_for, cancel_all
 
-__all__ = ["backend_for"]
+__all__ = ["backend_for", "cancel_all"]

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,16 @@ from pathlib import Path
 from infra.config import ComputeConfig
 
 
-@dataclass
+def _signal_group(group: int, sig: int) -> bool:
+    """Send sig to a process group; False when no process of the group is left."""
+    try:
+        os.killpg(group, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@dataclass(eq=False)
 class LocalJob:
     """A running launcher process and where its output goes."""
 
@@ -31,21 +41,26 @@ class LocalJob:
         return self.process.wait(timeout)
 
     def cancel(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the job's process group, then SIGKILL what is left after grace_s."""
-        if self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+        """SIGTERM the job's whole process group, then SIGKILL whatever is left after grace_s.
 
-    def tail(self, lines: int = 20) -> str:
+        The group can outlive the launcher (a rank stuck in a collective, dataloader workers),
+        so this signals the group even when the launcher has already exited.
+        """
+        group = self.process.pid
+        if _signal_group(group, signal.SIGTERM):
+            deadline = time.monotonic() + grace_s
+            while _signal_group(group, 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _signal_group(group, signal.SIGKILL)
+        self.process.wait()
+        _LIVE.discard(self)
+
+    def tail(self, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
+        """The last lines of the rank-0 log (reads only its end: logs of long runs are large)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
 
@@ -79,7 +94,21 @@ class LocalBackend:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 start_new_session=True,
             )
-        return LocalJob(process=process, log_path=log_path)
+        job = LocalJob(process=process, log_path=log_path)
+        _LIVE.add(job)
+        return job
+
+
+# Jobs started by this process and not yet cancelled: a dying flow must not leave trainers behind.
+_LIVE: set[LocalJob] = set()
+
+
+def cancel_all(grace_s: float = 10.0) -> int:
+    """Cancel every job this process launched that may still run; returns how many were cancelled."""
+    jobs = list(_LIVE)
+    for job in jobs:
+        job.cancel(grace_s)
+    return len(jobs)
 
 
 def backend_for(cfg: ComputeConfig) -> LocalBackend:

@@ -96,6 +96,12 @@ def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, R
 
 
 @task(retries=3, retry_delay_seconds=2)
+def move_aliases(tracking: TrackingConfig, run_id: str) -> tuple[int, int]:
+    """Point the aliases at this run's furthest and the model's best version; returns (latest, best)."""
+    return _move_aliases(client_for(tracking), tracking.registered_model, run_id)
+
+
+@task(retries=3, retry_delay_seconds=2)
 def register_checkpoint(
     checkpoint: CheckpointInfo,
     summary: EvalSummary,

@@ -60,5 +60,7 @@ def train_stage(job_path: str, stage_index: int, stage_name: str, compute: Compu
         retryable = code not in FATAL and code != USAGE_ERROR
         error = TrainingFailed if retryable else TrainingFatal
         kind = "retryable" if retryable else "fatal"
-        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}); last log lines:\n{job.tail()}")
+        last = next((line for line in reversed(job.tail().splitlines()) if line.strip()), "")
+        logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
+        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}), see {job.log_path}: {last[:300]}")
     return code

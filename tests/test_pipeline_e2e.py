@@ -54,16 +54,19 @@ def _task_names(flow_run_id) -> list[str]:
     return asyncio.run(fetch())
 
 
-def kill_trainer_after_first_checkpoint(save_folder, timeout_s: float = 600) -> threading.Thread:
+def kill_trainer_after_first_checkpoint(run_dir, timeout_s: float = 600) -> threading.Thread:
     """SIGKILL the rank process (not the launcher) once the first checkpoint is published: a lost node."""
     from trainers.checkpoints import list_complete
+
+    save_folder, job_path = run_dir / "checkpoints", run_dir / "job.json"
 
     def run():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not list_complete(save_folder):
             time.sleep(0.1)
-        pids = subprocess.run(["pgrep", "-f", "^[^ ]*python[^ ]* -m trainers.train --job"], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
+        # this run's rank processes only, never the launcher or anybody else's trainer
+        pattern = f"^[^ ]*python[^ ]* -m trainers.train --job {job_path}"
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
         killed.extend(pids)
@@ -82,7 +85,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
 
     monkeypatch.chdir(ROOT)  # the recipe's data paths are relative to the project root
     recipe = tiny_recipe_in(tmp_path)
-    killer = kill_trainer_after_first_checkpoint(tmp_path / "work" / "runs" / "tiny" / "checkpoints")
+    killer = kill_trainer_after_first_checkpoint(tmp_path / "work" / "runs" / "tiny")
     state = pretrain_pipeline(PipelineParams(recipe=recipe), return_state=True)
     assert state.is_completed(), state.message
     result = state.result()

@@ -71,6 +71,17 @@ def test_missing_required_section():
     assert _error(yaml.safe_dump(raw)) == "r.yaml:1: tracking: Field required"
 
 
+def test_bad_key_in_a_source_names_its_own_line_without_union_tags():
+    text = tiny_text().replace("      separator: \"\\n\\n\"\n", "      separator: \"\\n\\n\"\n      bogus_field: 1\n", 1)
+    line = _line_of(text, "bogus_field")
+    assert _error(text) == f"r.yaml:{line}: data.sources.0.bogus_field: Extra inputs are not permitted"
+
+
+def test_work_dir_must_be_local():
+    text = tiny_text().replace("work_dir: .tessera", "work_dir: s3://bucket/runs")
+    assert _error(text) == "r.yaml:4: work_dir: must be a local directory, not a URI (s3://bucket/runs)"
+
+
 def test_wrong_type_names_field():
     text = tiny_text().replace("global_batch_size: 8", "global_batch_size: eight")
     line = _line_of(text, "global_batch_size: eight")

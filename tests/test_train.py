@@ -161,12 +161,14 @@ def _job(root: Path, sources, **kw):
     return job, write_job(job, root / "job.json")
 
 
-def _launch(job_path, stage, log, fault=None, procs=1):
+def _launch(job_path, stage, log, fault=None, procs=1, fault_rank=None):
     from trainers.testing import run_stage
 
     env = {"TESSERA_SAMPLE_LOG": str(log)}
     if fault:
         env["TESSERA_FAULT"] = fault
+    if fault_rank is not None:
+        env["TESSERA_FAULT_RANK"] = str(fault_rank)
     return run_stage(job_path, stage, procs=procs, env=env)
 
 
@@ -319,26 +321,28 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(reference, tmp_path, sources):
-    """DDP over gloo with 2 processes: same samples per step and the same loss curve at the same global batch."""
+def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
+    """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
+    exits RETRYABLE; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
     from trainers.callbacks import read_sample_log
 
     job, job_path = _job(tmp_path, sources)  # both stages: the LR horizon must match the reference's
     log = tmp_path / "samples.jsonl"
-    proc = _launch(job_path, 0, log, procs=2)
-    if proc.returncode != 0 and "DistNetworkError" in "".join(p.read_text() for p in (tmp_path / "logs").glob("*.err")):
-        # The launcher's free-port pick can race with other processes on a busy CI box; a lost
-        # rendezvous is exactly the retryable failure the flow relaunches, so relaunch once.
-        log.unlink(missing_ok=True)
-        proc = _launch(job_path, 0, log, procs=2)
-    _ok(proc, tmp_path / "logs")
+    lost = _launch(job_path, 0, log, fault="step:1280", procs=2, fault_rank=1)
+    assert lost.returncode == ExitCode.RETRYABLE, lost.stderr[-3000:]
+    relaunch = _launch(job_path, 0, log, procs=2)
+    if relaunch.returncode == ExitCode.RETRYABLE:
+        # As the flow would: a retryable exit (on a busy box, the launcher's free-port pick can lose a
+        # race and fail the rendezvous) is relaunched. Resumption makes that harmless.
+        relaunch = _launch(job_path, 0, log, procs=2)
+    _ok(relaunch, tmp_path / "logs")
     _, ref_root = reference
     ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
     two = read_sample_log(log)
     assert list(two) == list(ref)
     for t in ref:
         assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
-        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-4), t
+        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-5), t
 
 
 @pytest.mark.slow

@@ -50,6 +50,8 @@ def _plan(job: TrainJob, stage_index: int) -> StartPlan:
     marker = Path(job.save_folder) / f".{job.run_name}-plan-{os.getppid()}.json"
     if rank == 0:
         plan = plan_start(job, stage_index)
+        for stale in marker.parent.glob(f".{job.run_name}-plan-*.json"):  # verdicts of earlier launches
+            stale.unlink(missing_ok=True)
         if world_size > 1:
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(plan.__dict__))
@@ -143,9 +145,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     model = _wrap(hf_model, tokenizer)
 
-    schedule = GlobalLRSchedule(job.train, job.tokens_per_batch)
+    schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.seq_len).total
-    metrics = MlflowMetrics(job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens)
+    metrics = MlflowMetrics(
+        job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index)
+    )
     saver = PublishingCheckpointSaver(job, stage_index)
     skip = pending_skip(job, stage_index, plan.tokens)
     callbacks = [
@@ -158,7 +162,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     ]
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
-    device_batch = job.train.global_batch_size // world_size
+    device_batch = job.stage_batch_size(stage_index) // world_size
     if microbatch == "auto" and not on_gpu:
         microbatch = device_batch  # Composer's auto search works by catching CUDA OOMs
     elif microbatch != "auto":

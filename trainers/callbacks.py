@@ -34,6 +34,7 @@ class MlflowMetrics(Callback):
         stage_name: str,
         stage_start: int,
         flush_every_tokens: int,
+        step_tokens: int,
         flush_every_s: float = 10.0,
     ):
         self.target = target
@@ -43,6 +44,7 @@ class MlflowMetrics(Callback):
         self.stage_start = stage_start
         self.flush_every_s = flush_every_s
         self.flush_every_tokens = flush_every_tokens
+        self.step_tokens = step_tokens
         self._buffer: list = []
         self._client = None
         self._last_flush = time.monotonic()
@@ -90,8 +92,12 @@ class MlflowMetrics(Callback):
             self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
             # Also flush at every checkpoint boundary: a kill -9 then loses no metric of a step that
             # the relaunch will not re-train (and re-log).
-            if time.monotonic() - self._last_flush > self.flush_every_s or tokens % self.flush_every_tokens == 0:
+            if time.monotonic() - self._last_flush > self.flush_every_s or self._crossed(tokens):
                 self.flush()
+
+    def _crossed(self, tokens: int) -> bool:
+        every = self.flush_every_tokens
+        return tokens // every > (tokens - self.step_tokens) // every
 
     def flush(self) -> None:
         if self._client is not None and self._buffer:

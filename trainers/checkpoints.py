@@ -51,8 +51,12 @@ def list_complete(save_folder: str | Path) -> list[CheckpointInfo]:
     if not folder.is_dir():
         return []
     found = []
-    for manifest in sorted(folder.glob("tok-*.json")):
-        info = CheckpointInfo.model_validate(json.loads(manifest.read_text()))
+    for manifest in folder.glob("tok-*.json"):
+        try:  # a keep-last-K cleanup may delete a manifest between the glob and the read
+            info = CheckpointInfo.model_validate(json.loads(manifest.read_text()))
+        except FileNotFoundError:
+            continue
         if Path(info.path).is_file():
             found.append(info)
-    return found
+    # by value, not name: the zero padding stops helping past 10^12 tokens
+    return sorted(found, key=lambda c: c.tokens)

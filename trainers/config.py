@@ -70,6 +70,9 @@ class StageConfig(_Strict):
     tokens: PositiveInt = Field(..., description="Tokens this stage trains on.")
     mixture: dict[str, float] = Field(..., description="Source name -> proportion; proportions sum to 1.")
     lr_scale: float = Field(1.0, gt=0, description="Multiplies the global schedule's LR while this stage trains.")
+    global_batch_size: PositiveInt | None = Field(
+        None, description="Sequences per optimizer step in this stage; null uses train.global_batch_size."
+    )
     anneal: bool = Field(
         False,
         description="Decay the LR linearly from the global schedule's value at this stage's start to "
@@ -172,16 +175,23 @@ class TrainJob(_Strict):
     def tokens_per_batch(self) -> int:
         return self.train.global_batch_size * self.seq_len
 
+    def stage_batch_size(self, stage_index: int) -> int:
+        return self.train.stages[stage_index].global_batch_size or self.train.global_batch_size
+
+    def stage_tokens_per_batch(self, stage_index: int) -> int:
+        return self.stage_batch_size(stage_index) * self.seq_len
+
     @model_validator(mode="after")
     def _consistent(self) -> "TrainJob":
         for stage in self.train.stages:
             missing = sorted(set(stage.mixture) - set(self.streams))
             if missing:
                 raise ValueError(f"stage {stage.name!r} mixes unknown sources: {', '.join(missing)}")
-            if stage.tokens % self.tokens_per_batch:
+            per_step = (stage.global_batch_size or self.train.global_batch_size) * self.seq_len
+            if stage.tokens % per_step:
                 raise ValueError(
                     f"stage {stage.name!r}: tokens ({stage.tokens}) must be a multiple of "
-                    f"global_batch_size*seq_len ({self.tokens_per_batch})"
+                    f"global_batch_size*seq_len ({per_step})"
                 )
         if self.checkpoint_every_tokens % self.tokens_per_batch:
             raise ValueError(

@@ -69,11 +69,10 @@ def stage_samples(job: TrainJob, stage_index: int) -> int:
 def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSpec:
     """The train DataSpec of stage `stage_index`, for one rank of `world_size`."""
     stage = job.train.stages[stage_index]
-    if job.train.global_batch_size % world_size:
-        raise ValueError(
-            f"train.global_batch_size ({job.train.global_batch_size}) must be divisible by the process count ({world_size})"
-        )
-    device_batch = job.train.global_batch_size // world_size
+    batch = job.stage_batch_size(stage_index)
+    if batch % world_size:
+        raise ValueError(f"stage {stage.name!r}: global batch size {batch} is not divisible by the process count ({world_size})")
+    device_batch = batch // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
     streams = [_stream(job.streams[name], p) for name, p in sorted(stage.mixture.items())]
     dataset = TokenSamples(

@@ -37,7 +37,7 @@ from composer.utils import dist
 
 from trainers import checkpoints
 from trainers.checkpoints import CheckpointInfo
-from trainers.config import TrainJob
+from trainers.config import StageConfig, TrainJob
 from trainers.exit_codes import FatalError
 from trainers.schedule import stage_bounds
 
@@ -75,7 +75,7 @@ def _atomic_symlink(target: Path, link: Path) -> None:
     os.replace(tmp, link)
 
 
-def _check_ledger(job: TrainJob, stage_index: int) -> None:
+def _check_ledger(job: TrainJob) -> None:
     """Refuse edits to stages that have already been trained on; allow appending new ones."""
     path = _ledger_path(job)
     trained = json.loads(path.read_text()) if path.exists() else []
@@ -86,6 +86,8 @@ def _check_ledger(job: TrainJob, stage_index: int) -> None:
                 "stages can be appended, not removed"
             )
         current = job.train.stages[i].model_dump(mode="json")
+        # Through the model, so fields added to StageConfig since the ledger was written compare as their defaults.
+        recorded = StageConfig.model_validate(recorded).model_dump(mode="json")
         for field in sorted(set(recorded) | set(current)):
             if recorded.get(field) != current.get(field):
                 raise FatalError(
@@ -93,6 +95,12 @@ def _check_ledger(job: TrainJob, stage_index: int) -> None:
                     f"{field}={recorded.get(field)!r}, the job now says {current.get(field)!r}; editing a trained "
                     "stage is refused (append a new stage instead)"
                 )
+
+
+def _record_ledger(job: TrainJob, stage_index: int) -> None:
+    """Remember the specs of stages 0..stage_index once training of stage_index is about to start."""
+    path = _ledger_path(job)
+    trained = json.loads(path.read_text()) if path.exists() else []
     needed = [s.model_dump(mode="json") for s in job.train.stages[: stage_index + 1]]
     if len(needed) > len(trained):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,12 +109,16 @@ def _check_ledger(job: TrainJob, stage_index: int) -> None:
         os.replace(tmp, path)
 
 
+def _own_file(job: TrainJob, name: str) -> re.Match | None:
+    """Whether a file name is one of this run's checkpoints (not another run's sharing the folder)."""
+    return re.match(rf"^{re.escape(job.run_name)}-s(\d+)-tok(\d+)-rank0\.pt$", name)
+
+
 def _run_checkpoints(job: TrainJob) -> list[tuple[int, int, Path]]:
     """(stage_index, tokens, path) of this run's checkpoint files on disk."""
-    pattern = re.compile(rf"^{re.escape(job.run_name)}-s(\d+)-tok(\d+)-rank0\.pt$")
     found = []
     for path in Path(job.save_folder).glob(f"{job.run_name}-s*-tok*-rank0.pt"):
-        match = pattern.match(path.name)
+        match = _own_file(job, path.name)
         if match:
             found.append((int(match[1]), int(match[2]), path))
     return found
@@ -130,9 +142,9 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         )
     folder = Path(job.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _check_ledger(job, stage_index)
+    _check_ledger(job)
 
-    complete = [c for c in checkpoints.list_complete(folder) if Path(c.path).name.startswith(f"{job.run_name}-")]
+    complete = [c for c in checkpoints.list_complete(folder) if _own_file(job, Path(c.path).name)]
     published = {Path(c.path).resolve() for c in complete}
     # A .pt without a manifest was cut short (or finished but not yet published) by a kill: drop it,
     # the relaunch re-trains and re-saves those steps deterministically.
@@ -153,9 +165,11 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     if own:
         newest = max(own, key=lambda c: c.tokens)
         _atomic_symlink(Path(newest.path), link)
+        _record_ledger(job, stage_index)
         return StartPlan("resume", None, newest.tokens)
     link.unlink(missing_ok=True)
     if stage_index == 0:
+        _record_ledger(job, 0)
         return StartPlan("fresh", None, 0)
     prev_end = stage_bounds(job.train)[stage_index - 1][1]
     ends = [c for c in good if c.stage_index == stage_index - 1 and c.tokens == prev_end]
@@ -165,6 +179,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
             f"--stage {stage_index}: stage {prev!r} has no complete checkpoint at its end ({prev_end} tokens) "
             f"in {job.save_folder}; train stage {stage_index - 1} first"
         )
+    _record_ledger(job, stage_index)
     return StartPlan("enter", ends[-1].path, prev_end)
 
 
@@ -186,10 +201,13 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.stage_end = stage_bounds(job.train)[stage_index][1]
         self.last_saved_tokens: int | None = None
         every = job.checkpoint_every_tokens
+        step = job.stage_tokens_per_batch(stage_index)
 
         def due(state: State, event: Event) -> bool:
+            # "Crossed a multiple of every" rather than "is a multiple": with per-stage batch sizes a
+            # stage's steps need not land on the multiples themselves.
             tokens = int(state.timestamp.token.value)
-            return event == Event.BATCH_CHECKPOINT and (tokens % every == 0 or tokens >= self.stage_end)
+            return event == Event.BATCH_CHECKPOINT and (tokens // every > (tokens - step) // every or tokens >= self.stage_end)
 
         super().__init__(
             folder=job.save_folder,
@@ -232,7 +250,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         keep = self.job.train.keep_checkpoints
         if keep is None:
             return
-        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if Path(c.path).name.startswith(f"{self.job.run_name}-")]
+        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if _own_file(self.job, Path(c.path).name)]
         for old in complete[:-keep]:
             # Manifest first: a watcher must never see a manifest whose file is gone mid-read.
             checkpoints.manifest_path(self.job.save_folder, old.tokens).unlink(missing_ok=True)
@@ -243,7 +261,8 @@ FAULT_ENV = "TESSERA_FAULT"
 
 
 def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
-    """Fault injection for the kill -9 tests: `TESSERA_FAULT=save:<tokens>` or `step:<tokens>`.
+    """Fault injection for the kill -9 tests: `TESSERA_FAULT=save:<tokens>` or `step:<tokens>`
+    (optionally only on rank TESSERA_FAULT_RANK).
 
     `save` truncates the just-written checkpoint to half (what a kill mid-write leaves) and
     SIGKILLs this process before the manifest; `step` SIGKILLs right after that step.
@@ -251,6 +270,8 @@ def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec != f"{point}:{tokens}":
         return
+    if os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return  # TESSERA_FAULT_RANK=<r> limits the fault to one rank: a lost peer
     if path is not None:
         size = path.stat().st_size
         with open(path, "r+b") as f:

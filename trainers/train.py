@@ -34,14 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         from trainers.build import build_trainer
         from trainers.rollback import record_anomaly
 
+        trainer = build_trainer(job, args.stage)
+        if trainer is None:  # the stage finished in an earlier launch
+            return ExitCode.OK
         # Composer turns SIGTERM into exit code 143, which says nothing to a supervisor. The
         # launcher sends it to the surviving ranks when a peer dies, and Kubernetes on
         # preemption: both are worth a relaunch, which resumes from the last checkpoint.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(ExitCode.RETRYABLE))
-
-        trainer = build_trainer(job, args.stage)
-        if trainer is None:  # the stage finished in an earlier launch
-            return ExitCode.OK
         try:
             trainer.fit()
         except Exception as exc:  # noqa: BLE001 - every failure maps to an exit code below
@@ -59,8 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if trainer is not None:
-            trainer.close()
+            try:
+                trainer.close()
+            except Exception:  # noqa: BLE001 - with a peer gone, close's collectives fail too; keep the exit code
+                logging.getLogger("tessera.train").warning("trainer.close() failed", exc_info=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code != ExitCode.OK:
+        # After a lost peer, interpreter teardown can block on dead collectives until the launcher
+        # SIGTERMs us, and the exit code would read as a signal: leave with the decided code now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
