@@ -9,7 +9,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
-SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # Keep Prefect, HF and MLflow quiet and offline for every test process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

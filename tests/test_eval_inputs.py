@@ -31,10 +31,8 @@ def test_reference_yamls_load_unchanged(path):
 
 
 def test_real_task_files_parse_including_u0085(tmp_path):
-    shared = ROOT.parent / "shared" / "data" / "eval_gauntlet" / "local_data"
-    path = shared / "world_knowledge" / "triviaqa_sm_sub.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
+    # the project ships a byte-for-byte copy of the gauntlet's task files (data/SOURCES.md)
+    path = ROOT / "data" / "gauntlet" / "eval" / "local_data" / "world_knowledge" / "triviaqa_sm_sub.jsonl"
     records = read_jsonl(str(path))
     assert len(records) == 3000  # str.splitlines() would have broken the U+0085 record in two
     assert any("\u0085" in json.dumps(r, ensure_ascii=False) for _, r in records)
