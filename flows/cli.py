@@ -13,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
@@ -47,6 +48,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from evaluation.errors import GauntletError
     from tasks.train import TrainingFailed
 
+    # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input
     return (RecipeError, DataError, TrackingError, TrainingFailed, GauntletError)
 
 
@@ -156,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except _bad_input_types() as exc:
+        from tasks.train import TrainingFailed, TrainingFatal
+
         print(f"tessera: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        # a crash that outlived its retries is not bad input: a rerun resumes from the last checkpoint
+        return EXIT_FAILED if isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal) else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.evaluate import EvalSummary
@@ -95,13 +96,13 @@ def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, R
     }
 
 
-@task(retries=3, retry_delay_seconds=2)
+@task(retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def move_aliases(tracking: TrackingConfig, run_id: str) -> tuple[int, int]:
     """Point the aliases at this run's furthest and the model's best version; returns (latest, best)."""
     return _move_aliases(client_for(tracking), tracking.registered_model, run_id)
 
 
-@task(retries=3, retry_delay_seconds=2)
+@task(retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def register_checkpoint(
     checkpoint: CheckpointInfo,
     summary: EvalSummary,

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking_config import TrackingConfig
 
@@ -43,7 +44,7 @@ def client_for(tracking: TrackingConfig):
     return client
 
 
-@task(retries=2, retry_delay_seconds=3)
+@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str], params: dict[str, str]) -> str:
     """Return the id of the MLflow run for `run_name`, creating it (and the experiment) if needed."""
     client = client_for(tracking)
@@ -70,6 +71,6 @@ def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str], para
     return run_id
 
 
-@task
+@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def close_run(tracking: TrackingConfig, run_id: str, status: str) -> None:
     client_for(tracking).set_terminated(run_id, status=status)
