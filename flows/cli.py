@@ -86,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     last = result.registrations[-1] if result.registrations else None
     print(
         f"run {result.run_name}: {len(result.registrations)} model versions"
-        + (f"; latest=v{last.latest} best=v{last.best}" if last else "")
+        + (f"; latest-checkpoint=v{last.latest} best=v{last.best}" if last else "")
         + f"; mlflow run {result.mlflow_run_id}"
     )
     return 0
