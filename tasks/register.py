@@ -33,12 +33,10 @@ def artifact_path(tokens: int) -> str:
     return f"checkpoints/tok-{tokens:012d}"
 
 
-def find_version(client, name: str, run_id: str, tokens: int):
-    """The version already registered for this run at this token count, or None."""
-    for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
-        if mv.tags.get("tokens") == str(tokens):
-            return mv
-    return None
+def _run_versions(client, name: str, run_id: str) -> dict[int, object]:
+    """tokens -> model version, for the versions this run registered (the idempotency key)."""
+    versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    return {int(v.tags["tokens"]): v for v in versions if "tokens" in v.tags}
 
 
 def _ensure_registered_model(client, name: str) -> None:
@@ -82,17 +80,16 @@ def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, R
     client = client_for(tracking)
     name = tracking.registered_model
     try:
-        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+        versions = _run_versions(client, name, run_id)
         aliases = client.get_registered_model(name).aliases
     except MlflowException:  # no registered model yet
         return {}
     return {
-        int(v.tags["tokens"]): Registration(
-            name=name, version=int(v.version), tokens=int(v.tags["tokens"]), created=False,
+        tokens: Registration(
+            name=name, version=int(v.version), tokens=tokens, created=False,
             latest=int(aliases.get(LATEST_ALIAS, -1)), best=int(aliases.get(BEST_ALIAS, -1)),
         )  # fmt: skip
-        for v in versions
-        if "tokens" in v.tags
+        for tokens, v in versions.items()
     }
 
 
@@ -116,7 +113,7 @@ def register_checkpoint(
     client = client_for(tracking)
     name = tracking.registered_model
     _ensure_registered_model(client, name)
-    existing = find_version(client, name, run_id, checkpoint.tokens)
+    existing = _run_versions(client, name, run_id).get(checkpoint.tokens)
     created = existing is None
     if created:
         with tempfile.TemporaryDirectory(prefix="tessera-export-") as tmp:
