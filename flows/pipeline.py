@@ -126,6 +126,14 @@ def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Pat
         watcher.sweep(save_folder)
 
 
+def _local_save_folder(recipe: Recipe, run_name: str, run_dir: Path) -> Path:
+    """The trainer's local checkpoint folder; with an s3:// train.save_folder it is the working copy."""
+    folder = recipe.train.save_folder
+    if folder is None or folder.startswith("s3://"):
+        return run_dir / "checkpoints"
+    return Path(folder).resolve() / run_name
+
+
 @flow(name="pretrain_pipeline", log_prints=True)
 def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     logger = get_run_logger()
@@ -152,7 +160,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             eos_token_id=prepared.tokenizer.eos_token_id,
             seq_len=recipe.data.seq_len,
             streams={name: str(src.path) for name, src in prepared.sources.items()},
-            save_folder=str(run_dir / "checkpoints"),
+            save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
             checkpoint_every_tokens=recipe.eval.every,
             tokenizer_dir=str(prepared.tokenizer.hf_dir),
             mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),

@@ -82,6 +82,14 @@ def test_work_dir_must_be_local():
     assert _error(text) == "r.yaml:4: work_dir: must be a local directory, not a URI (s3://bucket/runs)"
 
 
+def test_save_folder_accepts_local_and_s3_only():
+    text = tiny_text().replace("  seed: 17\n", "  seed: 17\n  save_folder: gs://bucket/runs\n")
+    line = _line_of(text, "save_folder:")
+    assert _error(text) == f"r.yaml:{line}: train.save_folder: gs://bucket/runs: only local paths and s3:// URIs are supported"
+    ok = parse_recipe(text.replace("gs://bucket/runs", "s3://bucket/runs"), "r.yaml")
+    assert ok.train.save_folder == "s3://bucket/runs"
+
+
 def test_wrong_type_names_field():
     text = tiny_text().replace("global_batch_size: 8", "global_batch_size: eight")
     line = _line_of(text, "global_batch_size: eight")

@@ -177,6 +177,10 @@ def _ok(proc, logs: Path | None = None):
     assert proc.returncode == 0, proc.stderr[-3000:] + ranks
 
 
+def _killed(proc):
+    assert proc.returncode == -9, proc.stderr[-3000:]
+
+
 def _model_state(path):
     import torch
 
@@ -371,3 +375,76 @@ def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources
     # The rollback budget is spent: the next anomaly is fatal.
     again = _launch(job_path, 1, log, fault="nan:3584")
     assert again.returncode == ExitCode.FATAL and "max_rollbacks=1" in again.stderr
+
+
+def test_missing_bucket_is_one_line_fatal(moto_s3):
+    from trainers.remote import RemoteFolder
+
+    with pytest.raises(FatalError, match=r"^train\.save_folder: s3://nowhere/runs/tiny: bucket 'nowhere' does not exist$"):
+        RemoteFolder("s3://nowhere/runs/tiny").complete()
+
+
+@pytest.mark.slow
+def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_path, sources, moto_s3):
+    """Checkpoints mirrored to a real S3 server (moto). Each relaunch after a kill starts with the local
+    folder wiped, as on a new node, except one that must upload what a kill left unpublished remotely."""
+    import shutil
+
+    import torch
+
+    from trainers.callbacks import read_sample_log
+    from trainers.checkpoints import list_complete
+    from trainers.remote import RemoteFolder
+
+    moto_s3.create_bucket(Bucket="ckpts")
+    job, job_path = _job(tmp_path, sources, save_folder="s3://ckpts/runs", keep_checkpoints=2)
+    assert job.remote_folder == "s3://ckpts/runs/tiny"
+    remote = RemoteFolder(job.remote_folder)
+    log = tmp_path / "samples.jsonl"
+
+    def wipe_local():
+        shutil.rmtree(job.save_folder)
+
+    # Killed after publishing 2048 locally, before its upload could start.
+    _killed(_launch(job_path, 0, log, fault="published:2048"))
+    assert 2048 not in [c.tokens for c in remote.complete()]
+    # Same node: the relaunch first uploads what the remote lacks, then dies mid stage.
+    _killed(_launch(job_path, 0, log, fault="step:2304"))
+    assert [c.tokens for c in remote.complete()] == [1024, 2048]
+    wipe_local()
+    resumed = _launch(job_path, 0, log)  # a new node: downloads 2048, finishes the stage, uploads 2560
+    _ok(resumed)
+    assert "stage warm (0): resume at 2048 tokens" in resumed.stderr
+    assert [c.tokens for c in remote.complete()] == [2048, 2560]  # keep_checkpoints=2, remotely too
+    wipe_local()
+    entered = _launch(job_path, 1, log, fault="step:3584")
+    _killed(entered)
+    assert "stage mix (1): enter at 2560 tokens" in entered.stderr
+    # Same node again (whether 3072's upload beat the kill is timing; the relaunch makes sure it is up).
+    resumed = _launch(job_path, 1, log)
+    _ok(resumed)
+    assert "stage mix (1): resume at 3072 tokens" in resumed.stderr
+
+    done = remote.complete()
+    assert [(c.tokens, c.stage) for c in done] == [(3072, "mix"), (4096, "mix")]
+    assert all(c.path == f"s3://ckpts/runs/tiny/tiny-s1-tok{c.tokens}-rank0.pt" for c in done)
+    names = {o["Key"] for o in moto_s3.list_objects_v2(Bucket="ckpts")["Contents"]}
+    assert names == {
+        "runs/tiny/tiny-stages.json",
+        "runs/tiny/manifests/tok-000000003072.json", "runs/tiny/tiny-s1-tok3072-rank0.pt",
+        "runs/tiny/manifests/tok-000000004096.json", "runs/tiny/tiny-s1-tok4096-rank0.pt",
+    }  # fmt: skip
+    assert [s["name"] for s in json.loads(remote._get_text("tiny-stages.json"))] == ["warm", "mix"]
+
+    ref_job, ref_root = reference
+    effective = read_sample_log(log)
+    assert effective == read_sample_log(ref_root / "samples.jsonl")
+    for lo, hi, n in [(0, 2560, 80), (2560, 4096, 48)]:  # every sample index of each stage exactly once
+        seen = [i for t, r in effective.items() if lo < t <= hi for i in r["samples"][0]]
+        assert len(seen) == len(set(seen)) == n
+    wipe_local()
+    remote.download(done[-1], Path(job.save_folder))
+    mine = _model_state(list_complete(job.save_folder)[-1].path)
+    ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
+    for name, tensor in ref["model"].items():
+        assert torch.equal(mine["model"][name], tensor), name

@@ -126,6 +126,12 @@ class TrainConfig(_Strict):
         "auto", description="'auto' is amp_bf16 on GPU and fp32 on CPU."
     )
     keep_checkpoints: PositiveInt | None = Field(None, description="Keep the last K checkpoints; null keeps all.")
+    save_folder: str | None = Field(
+        None,
+        description="Where the run's checkpoints live. null: <work_dir>/runs/<run>/checkpoints. "
+        "An s3://bucket/prefix URI keeps every complete checkpoint under <prefix>/<run>/ as well, and a launch "
+        "whose local working copy lacks them (a new node, a wiped work_dir) resumes from there.",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
     data_canonical_nodes: PositiveInt = Field(
         1,
@@ -139,6 +145,15 @@ class TrainConfig(_Strict):
         default_factory=lambda: LossGuardConfig(), description="NaN / loss-spike detection and rollback."
     )
     stages: list[StageConfig] = Field(..., min_length=1, description="Curriculum stages, trained in order.")
+
+    @field_validator("save_folder")
+    @classmethod
+    def _save_folder_scheme(cls, folder: str | None) -> str | None:
+        if folder is not None and "://" in folder and not folder.startswith("s3://"):
+            raise ValueError(f"{folder}: only local paths and s3:// URIs are supported")
+        if folder is not None and folder.startswith("s3://") and not folder[len("s3://") :].strip("/"):
+            raise ValueError(f"{folder}: names no bucket")
+        return folder
 
     @model_validator(mode="after")
     def _unique_stage_names(self) -> "TrainConfig":
@@ -166,10 +181,20 @@ class TrainJob(_Strict):
     eos_token_id: int = Field(..., ge=0, description="EOS id the data was packed with.")
     seq_len: PositiveInt = Field(..., description="Tokens per packed sample.")
     streams: dict[str, str] = Field(..., description="Source name -> prepared MDS directory (local path or URI).")
-    save_folder: str = Field(..., description="Checkpoint folder for the whole run (local path or URI).")
+    save_folder: str = Field(
+        ..., description="The run's local checkpoint folder (the working copy when train.save_folder is s3://)."
+    )
     checkpoint_every_tokens: PositiveInt = Field(..., description="Save a checkpoint every this many tokens.")
     tokenizer_dir: str | None = Field(None, description="HF tokenizer directory saved into checkpoints.")
     mlflow: MlflowTarget | None = Field(None, description="Metrics destination; null logs to the console only.")
+
+    @property
+    def remote_folder(self) -> str | None:
+        """The s3:// mirror of save_folder, scoped by run name; None for a local-only run."""
+        folder = self.train.save_folder
+        if folder is None or not folder.startswith("s3://"):
+            return None
+        return f"{folder.rstrip('/')}/{self.run_name}"
 
     @property
     def tokens_per_batch(self) -> int:

@@ -5,6 +5,7 @@ Layout of `save_folder` (names are scoped by run_name, so two runs can share a f
     latest-<run>-s<K>-rank0.pt       symlink Composer autoresume follows, per stage
     manifests/tok-<T>.json           done-marker (trainers.checkpoints), written after the .pt is complete
     <run>-stages.json                ledger of stage specs already trained on
+With an s3:// train.save_folder the same names also live remotely (trainers/remote.py).
 
 The order of a save is: write .pt -> publish manifest -> repoint the latest symlink. A kill at
 any point leaves the symlink on the previous complete checkpoint, so autoresume never follows
@@ -39,6 +40,8 @@ from trainers import checkpoints
 from trainers.checkpoints import CheckpointInfo
 from trainers.config import StageConfig, TrainJob
 from trainers.exit_codes import FatalError
+from trainers.remote import RemoteFolder, reconcile
+from trainers.rollback import rollbacks_path
 from trainers.schedule import stage_bounds
 
 
@@ -97,7 +100,7 @@ def _check_ledger(job: TrainJob) -> None:
                 )
 
 
-def _record_ledger(job: TrainJob, stage_index: int) -> None:
+def _record_ledger(job: TrainJob, stage_index: int, remote: RemoteFolder | None) -> None:
     """Remember the specs of stages 0..stage_index once training of stage_index is about to start."""
     path = _ledger_path(job)
     trained = json.loads(path.read_text()) if path.exists() else []
@@ -107,6 +110,8 @@ def _record_ledger(job: TrainJob, stage_index: int) -> None:
         tmp = path.with_name(f".tmp-{path.name}")
         tmp.write_text(json.dumps(needed, indent=1))
         os.replace(tmp, path)
+        if remote is not None:
+            remote.push_file(path)
 
 
 def _own_file(job: TrainJob, name: str) -> re.Match | None:
@@ -137,11 +142,14 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
     if "://" in job.save_folder:
         raise FatalError(
-            f"save_folder: {job.save_folder} is remote; this trainer resumes from and publishes to local "
-            "(or mounted) folders only"
+            f"save_folder: {job.save_folder} must be a local folder; put the s3:// URI in train.save_folder"
         )
     folder = Path(job.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
+    remote = RemoteFolder.for_job(job)
+    if remote is not None:
+        remote.pull_json_list(_ledger_path(job))
+        remote.pull_json_list(rollbacks_path(job))
     _check_ledger(job)
 
     complete = [c for c in checkpoints.list_complete(folder) if _own_file(job, Path(c.path).name)]
@@ -159,17 +167,19 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         else:  # withdraw it so neither autoresume nor an evaluator picks it up
             checkpoints.manifest_path(folder, info.tokens).unlink(missing_ok=True)
             os.replace(info.path, f"{info.path}.corrupt")
+    if remote is not None:
+        good = reconcile(remote, job, stage_index, good)
 
     link = folder / latest_name(job, stage_index).format(rank=0)
     own = [c for c in good if c.stage_index == stage_index]
     if own:
         newest = max(own, key=lambda c: c.tokens)
         _atomic_symlink(Path(newest.path), link)
-        _record_ledger(job, stage_index)
+        _record_ledger(job, stage_index, remote)
         return StartPlan("resume", None, newest.tokens)
     link.unlink(missing_ok=True)
     if stage_index == 0:
-        _record_ledger(job, 0)
+        _record_ledger(job, 0, remote)
         return StartPlan("fresh", None, 0)
     prev_end = stage_bounds(job.train)[stage_index - 1][1]
     ends = [c for c in good if c.stage_index == stage_index - 1 and c.tokens == prev_end]
@@ -179,7 +189,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
             f"--stage {stage_index}: stage {prev!r} has no complete checkpoint at its end ({prev_end} tokens) "
             f"in {job.save_folder}; train stage {stage_index - 1} first"
         )
-    _record_ledger(job, stage_index)
+    _record_ledger(job, stage_index, remote)
     return StartPlan("enter", ends[-1].path, prev_end)
 
 
@@ -198,6 +208,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
     def __init__(self, job: TrainJob, stage_index: int):
         self.job = job
         self.stage_index = stage_index
+        self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
         self.stage_end = stage_bounds(job.train)[stage_index][1]
         self.last_saved_tokens: int | None = None
         every = job.checkpoint_every_tokens
@@ -233,18 +244,34 @@ class PublishingCheckpointSaver(CheckpointSaver):
             return
         path = Path(self.saved_checkpoints[-1]).resolve()
         _maybe_fault("save", tokens, path)
-        checkpoints.publish(
-            self.job.save_folder,
-            CheckpointInfo(
-                path=str(path),
-                tokens=tokens,
-                batch=int(state.timestamp.batch.value),
-                stage=self.job.train.stages[self.stage_index].name,
-                stage_index=self.stage_index,
-            ),
+        info = CheckpointInfo(
+            path=str(path),
+            tokens=tokens,
+            batch=int(state.timestamp.batch.value),
+            stage=self.job.train.stages[self.stage_index].name,
+            stage_index=self.stage_index,
         )
+        checkpoints.publish(self.job.save_folder, info)
         _atomic_symlink(path, Path(self.job.save_folder) / latest_name(self.job, self.stage_index).format(rank=0))
+        _maybe_fault("published", tokens)
+        if self.remote is not None:
+            self.remote.upload_async(info)
         self._keep_last()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        super().batch_end(state, logger)
+        if self.remote is not None:
+            self.remote.poll(self.job.train.keep_checkpoints)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        super().fit_end(state, logger)
+        if self.remote is not None:  # the stage is done only when its checkpoints are up
+            self.remote.poll(self.job.train.keep_checkpoints, block=True)
+
+    def post_close(self) -> None:
+        super().post_close()
+        if self.remote is not None:
+            self.remote.close()
 
     def _keep_last(self) -> None:
         keep = self.job.train.keep_checkpoints
@@ -261,11 +288,12 @@ FAULT_ENV = "TESSERA_FAULT"
 
 
 def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
-    """Fault injection for the kill -9 tests: `TESSERA_FAULT=save:<tokens>` or `step:<tokens>`
+    """Fault injection for the kill -9 tests: `TESSERA_FAULT=<point>:<tokens>`
     (optionally only on rank TESSERA_FAULT_RANK).
 
     `save` truncates the just-written checkpoint to half (what a kill mid-write leaves) and
-    SIGKILLs this process before the manifest; `step` SIGKILLs right after that step.
+    SIGKILLs this process before the manifest; `published` SIGKILLs after the local manifest,
+    before any upload to a remote save folder; `step` SIGKILLs right after that step.
     """
     spec = os.environ.get(FAULT_ENV, "")
     if spec != f"{point}:{tokens}":

@@ -25,12 +25,12 @@ from trainers.config import TrainJob
 from trainers.exit_codes import ExitCode
 
 
-def _ledger(job: TrainJob) -> Path:
+def rollbacks_path(job: TrainJob) -> Path:
     return Path(job.save_folder) / f"{job.run_name}-rollbacks.json"
 
 
 def read_rollbacks(job: TrainJob) -> list[dict]:
-    path = _ledger(job)
+    path = rollbacks_path(job)
     return json.loads(path.read_text()) if path.exists() else []
 
 
@@ -61,9 +61,14 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
                 "reason": str(exc),
             }
         )
-        tmp = _ledger(job).with_suffix(".tmp")
+        tmp = rollbacks_path(job).with_suffix(".tmp")
         tmp.write_text(json.dumps(records, indent=1))
-        os.replace(tmp, _ledger(job))
+        os.replace(tmp, rollbacks_path(job))
+        from trainers.remote import RemoteFolder
+
+        remote = RemoteFolder.for_job(job)
+        if remote is not None:  # the relaunch may land on another node
+            remote.push_file(rollbacks_path(job))
     print(
         f"tessera.train: {exc}; rolling back to the checkpoint at {exc.resume_tokens} tokens and skipping "
         f"{skip} samples on relaunch",

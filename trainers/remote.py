@@ -1,0 +1,220 @@
+"""A run's checkpoints in object storage (`train.save_folder: s3://...`), for pods whose disk dies with them.
+
+The trainer always works in a local folder with resume.py's layout, repair rules and Composer
+autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_name>/` in step with it:
+
+- after a checkpoint is published locally, its .pt is uploaded by a background thread (training
+  does not wait), and only once that upload has finished is its manifest uploaded. The remote manifest is the remote done-marker: a remote .pt
+  without one is never trusted, exactly as locally. Keep-last-K rotates the remote the same way
+  (manifest first, then the .pt);
+- before a launch plans its start point, the run files (stage ledger, rollback records) are
+  pulled, local complete checkpoints the remote lacks are uploaded (a kill between the local
+  publish and the upload), and the checkpoint this launch starts from is downloaded when the
+  local folder lacks it (a new node, a wiped work_dir). Autoresume then proceeds locally.
+
+Object names mirror the local ones: `<run>-s<K>-tok<T>-rank0.pt`, `manifests/tok-<T>.json`
+(whose `path` is the object's s3:// URI), `<run>-stages.json`, `<run>-rollbacks.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from trainers import checkpoints
+from trainers.checkpoints import CheckpointInfo
+from trainers.config import TrainJob
+from trainers.exit_codes import FatalError, RetryableError
+
+log = logging.getLogger("tessera.remote")
+
+STAGING_DIR = ".uploading"  # hard links of checkpoints being uploaded; what a kill leaves there is dropped
+
+
+def _manifest_name(tokens: int) -> str:
+    return checkpoints.manifest_path("", tokens).as_posix()
+
+
+class RemoteFolder:
+    """The s3:// mirror of one run's checkpoint folder. Rank 0 only."""
+
+    def __init__(self, uri: str):
+        from composer.utils import parse_uri
+        from composer.utils.object_store import S3ObjectStore
+
+        backend, bucket, path = parse_uri(uri)
+        if backend != "s3" or not bucket:
+            raise FatalError(f"train.save_folder: {uri} is not an s3://bucket/prefix URI")
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = bucket, path.strip("/")
+        self.store = S3ObjectStore(bucket=bucket, prefix=self.prefix)
+        self._uploader = None
+        self._pending: list[tuple[object, CheckpointInfo]] = []  # (upload future, info) in save order
+
+    @classmethod
+    def for_job(cls, job: TrainJob) -> RemoteFolder | None:
+        return cls(job.remote_folder) if job.remote_folder else None
+
+    # ------------------------------------------------------------ plumbing
+
+    def _names(self, sub: str = "") -> set[str]:
+        """Object names (relative to the folder) under `sub`; the first call also checks the bucket."""
+        try:
+            keys = self.store.list_objects(sub)
+        except Exception as exc:
+            text = str(exc)
+            if "NoSuchBucket" in text or "does not exist" in text:
+                raise FatalError(f"train.save_folder: {self.uri}: bucket {self.bucket!r} does not exist") from None
+            raise RetryableError(f"train.save_folder: {self.uri}: cannot list objects: {text}") from exc
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        return {k[cut:] for k in keys}
+
+    def _get_text(self, name: str) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "obj"
+            self.store.download_object(name, str(local))
+            return local.read_text()
+
+    def _put_text(self, name: str, text: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "obj"
+            local.write_text(text)
+            self.store.upload_object(name, str(local))
+
+    def _delete(self, name: str) -> None:
+        self.store.client.delete_object(Bucket=self.bucket, Key=self.store.get_key(name))
+
+    # ------------------------------------------------------------ run files
+
+    def pull_json_list(self, local: Path) -> None:
+        """Take the remote copy of an append-only JSON list (ledger, rollbacks) when it knows more."""
+        if local.name not in self._names(local.name):
+            return
+        remote = json.loads(self._get_text(local.name))
+        mine = json.loads(local.read_text()) if local.exists() else []
+        if len(remote) > len(mine):
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f".tmp-{local.name}")
+            tmp.write_text(json.dumps(remote, indent=1))
+            tmp.replace(local)
+
+    def push_file(self, local: Path) -> None:
+        self.store.upload_object(local.name, str(local))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def complete(self) -> list[CheckpointInfo]:
+        """Checkpoints whose manifest is in the remote folder, oldest first."""
+        names = self._names(checkpoints.MANIFEST_DIR + "/")
+        found = []
+        for name in names:
+            if name.endswith(".json") and Path(name).name.startswith("tok-"):
+                found.append(CheckpointInfo.model_validate_json(self._get_text(name)))
+        return sorted(found, key=lambda c: c.tokens)
+
+    def upload_now(self, info: CheckpointInfo) -> None:
+        """Blocking upload of a local complete checkpoint: the .pt, then its manifest."""
+        name = Path(info.path).name
+        self.store.upload_object(name, info.path)
+        self._put_manifest(info)
+
+    def _put_manifest(self, info: CheckpointInfo) -> None:
+        remote = info.model_copy(update={"path": f"{self.uri}/{Path(info.path).name}"})
+        self._put_text(_manifest_name(info.tokens), remote.model_dump_json())
+
+    def download(self, info: CheckpointInfo, folder: Path) -> CheckpointInfo:
+        """Fetch a remote checkpoint into the local folder and publish it there."""
+        from trainers.resume import is_intact
+
+        name = Path(info.path).name
+        target = folder / name
+        log.info("downloading %s (%d tokens) from %s", name, info.tokens, self.uri)
+        # download_object writes a temp file and renames: a kill mid-download leaves no .pt behind.
+        self.store.download_object(name, str(target), overwrite=True)
+        if not is_intact(target):
+            target.unlink(missing_ok=True)
+            raise RetryableError(f"train.save_folder: {self.uri}/{name} downloaded incomplete")
+        local = info.model_copy(update={"path": str(target.resolve())})
+        checkpoints.publish(folder, local)
+        return local
+
+    def upload_async(self, info: CheckpointInfo) -> None:
+        """Start uploading a just-published checkpoint; poll() uploads its manifest once the .pt is up.
+
+        A thread, not Composer's RemoteUploader: its spawned worker processes outlive a SIGKILLed
+        trainer (holding its pipes and the staged copy), and each costs a Composer import at start.
+        boto3 releases the GIL while it moves bytes, so the thread costs training little. The file is
+        hard-linked into `.uploading/` first, so keep-last-K may delete the published name meanwhile.
+        """
+        if self._uploader is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-upload")
+        source = Path(info.path)
+        staged = source.parent / STAGING_DIR / source.name
+        staged.parent.mkdir(exist_ok=True)
+        staged.unlink(missing_ok=True)
+        os.link(source, staged)
+
+        def upload() -> None:
+            self.store.upload_object(source.name, str(staged))
+            staged.unlink(missing_ok=True)
+
+        self._pending.append((self._uploader.submit(upload), info))
+
+    def poll(self, keep: int | None, block: bool = False) -> None:
+        """Publish remote manifests for finished uploads, in save order; raise an upload's error."""
+        while self._pending:
+            future, info = self._pending[0]
+            if not block and not future.done():
+                return
+            future.result()  # re-raises a failed upload (boto3 has already retried transient errors)
+            self._put_manifest(info)
+            self._pending.pop(0)
+            self.keep_last(keep)
+
+    def keep_last(self, keep: int | None) -> None:
+        if keep is None:
+            return
+        for old in self.complete()[:-keep]:
+            self._delete(_manifest_name(old.tokens))  # the done-marker first, as locally
+            self._delete(Path(old.path).name)
+
+    def close(self) -> None:
+        if self._uploader is not None:
+            self._uploader.shutdown(wait=True)
+            self._uploader = None
+
+
+def reconcile(remote: RemoteFolder, job: TrainJob, stage_index: int, local: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Bring local and remote into step before planning; returns the local complete checkpoints.
+
+    Uploads local ones the remote lacks, then downloads the one this launch would start from
+    (the stage's newest, or the previous stage's end) when only the remote has it.
+    """
+    from trainers.schedule import stage_bounds
+
+    shutil.rmtree(Path(job.save_folder) / STAGING_DIR, ignore_errors=True)
+    remote_done = {c.tokens: c for c in remote.complete()}
+    for info in local:
+        if info.tokens not in remote_done:
+            log.info("uploading %s, published before a kill interrupted its upload", Path(info.path).name)
+            remote.upload_now(info)
+    remote.keep_last(job.train.keep_checkpoints)
+    have = {c.tokens for c in local}
+    own_local = max((c.tokens for c in local if c.stage_index == stage_index), default=-1)
+    own_remote = [c for c in remote_done.values() if c.stage_index == stage_index and c.tokens > own_local]
+    if own_remote:
+        wanted = max(own_remote, key=lambda c: c.tokens)
+    elif own_local < 0 and stage_index > 0:
+        prev_end = stage_bounds(job.train)[stage_index - 1][1]
+        wanted = remote_done.get(prev_end) if prev_end not in have else None
+    else:
+        wanted = None
+    if wanted is not None and wanted.tokens not in have:
+        local = sorted([*local, remote.download(wanted, Path(job.save_folder))], key=lambda c: c.tokens)
+    return local
