@@ -20,7 +20,12 @@ from flows.prepare import prepare_data
 from flows.recipe import NAME_PATTERN, Recipe, load_recipe
 from infra import cancel_all
 from tasks.evaluate import evaluate_checkpoint
-from tasks.register import Registration, existing_registrations, move_aliases, register_checkpoint
+from tasks.register import (
+    Registration,
+    existing_registrations,
+    move_aliases,
+    register_checkpoint,
+)
 from tasks.tracking import close_run, open_run, resolved_uri
 from tasks.train import train_stage, write_job
 from trainers.checkpoints import CheckpointInfo, list_complete
@@ -126,6 +131,29 @@ def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Pat
         watcher.sweep(save_folder)
 
 
+def _prepare_stage_lengths(recipe: Recipe, tokenizer_dir: str) -> dict[int, dict[str, str]]:
+    """Stages with their own seq_len read their sources packed at that length: prepare those too.
+
+    Each length is its own cached output (seq_len is part of a source's hash), so this costs one
+    tokenization per (source, length) and nothing on a rerun. The tokenizer is the one already
+    prepared, by path: a `train:` tokenizer would otherwise be retrained on the subset of sources.
+    """
+    wanted: dict[int, set[str]] = {}
+    for stage in recipe.train.stages:
+        if stage.seq_len and stage.seq_len != recipe.data.seq_len:
+            wanted.setdefault(stage.seq_len, set()).update(stage.mixture)
+    streams = {}
+    for seq_len, names in sorted(wanted.items()):
+        tokenizer = recipe.data.tokenizer
+        if tokenizer.train is not None:
+            tokenizer = tokenizer.model_copy(update={"path": tokenizer_dir, "train": None})
+        sources = [s for s in recipe.data.sources if s.name in names]
+        data = recipe.data.model_copy(update={"seq_len": seq_len, "sources": sources, "tokenizer": tokenizer})
+        prepared = prepare_data.with_options(flow_run_name=f"prepare-data-seq{seq_len}")(data)
+        streams[seq_len] = {name: str(src.path) for name, src in prepared.sources.items()}
+    return streams
+
+
 def _local_save_folder(recipe: Recipe, run_name: str, run_dir: Path) -> Path:
     """The trainer's local checkpoint folder; with an s3:// train.save_folder it is the working copy."""
     folder = recipe.train.save_folder
@@ -152,6 +180,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     status = "FAILED"
     try:
         prepared = prepare_data(recipe.data)
+        seq_len_streams = _prepare_stage_lengths(recipe, prepared.tokenizer.hf_dir)
         job = TrainJob(
             run_name=run_name,
             model=recipe.model,
@@ -160,6 +189,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             eos_token_id=prepared.tokenizer.eos_token_id,
             seq_len=recipe.data.seq_len,
             streams={name: str(src.path) for name, src in prepared.sources.items()},
+            seq_len_streams=seq_len_streams,
             save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
             checkpoint_every_tokens=recipe.eval.every,
             tokenizer_dir=str(prepared.tokenizer.hf_dir),

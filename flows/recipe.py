@@ -68,7 +68,7 @@ class Recipe(BaseModel):
                 ("eval", "every"), f"{self.eval.every} is not a multiple of global_batch_size*seq_len ({per_batch})"
             )
         for i, stage in enumerate(self.train.stages):
-            per_step = (stage.global_batch_size or self.train.global_batch_size) * self.data.seq_len
+            per_step = (stage.global_batch_size or self.train.global_batch_size) * (stage.seq_len or self.data.seq_len)
             if stage.tokens % per_step:
                 raise _CrossCheckError(
                     ("train", "stages", i, "tokens"),

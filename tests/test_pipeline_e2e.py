@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,6 +25,7 @@ def tiny_recipe_in(tmp_path) -> str:
     raw["data"]["root"] = str(tmp_path / "work" / "data")
     raw["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     raw["tracking"]["artifact_location"] = str(tmp_path / "mlartifacts")
+    raw["train"]["stages"][1]["seq_len"] = 256  # a longer-context final stage: 8 steps of 8 x 256 tokens
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return str(path)
@@ -30,7 +33,11 @@ def tiny_recipe_in(tmp_path) -> str:
 
 def _task_names(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+    )
     from prefect.client.schemas.sorting import FlowRunSort, TaskRunSort
 
     async def fetch():
@@ -92,7 +99,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     killer.join(timeout=5)
     assert len(killer.killed) == 1  # one trainer died mid-stage; Prefect's retry relaunched it and it resumed
 
-    # 48 steps of 1024 tokens, a checkpoint every 16384 tokens -> 3 evaluated, registered versions
+    # 32 steps of 1024 tokens then 8 of 2048, a checkpoint every 16384 tokens -> 3 evaluated, registered versions
     tokens = [r.tokens for r in result.registrations]
     assert tokens == [16384, 32768, 49152]
     assert all(r.created for r in result.registrations)
@@ -112,6 +119,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     loss = client.get_metric_history(run_id, "train/loss")
     assert loss and max(m.step for m in loss) == 49152
     assert all(m.step % 1024 == 0 for m in loss)
+    assert sorted({m.step for m in loss if m.step > 32768}) == [32768 + 2048 * k for k in range(1, 9)]
+    job = json.loads((tmp_path / "work" / "runs" / "tiny" / "job.json").read_text())
+    long_stories = job["seq_len_streams"]["256"]["stories"]  # prepared at 256 by the flow, beside the 128 packing
+    assert long_stories != job["streams"]["stories"]
+    assert json.loads((Path(long_stories).parent / "provenance.json").read_text())["seq_len"] == 256
     assert client.get_metric_history(run_id, "throughput/tokens_per_sec")
     gauntlet_keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("icl/")]
     assert gauntlet_keys

@@ -448,3 +448,34 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
     ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
     for name, tensor in ref["model"].items():
         assert torch.equal(mine["model"][name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
+    """Stage 2 trains on 64-token samples (data packed at 64) after 32-token stage 1; a kill inside it resumes."""
+    from trainers.callbacks import read_sample_log
+    from trainers.checkpoints import list_complete
+    from trainers.export import export_hf
+    from trainers.testing import write_mds
+
+    long_a = str(write_mds(tmp_path / "a64", 60, 2 * SEQ, 256, seed=3))
+    stages = [STAGES[0], StageConfig(name="long", tokens=4 * 2 * STEP, mixture={"a": 1.0}, seq_len=2 * SEQ)]
+    job, job_path = _job(tmp_path, sources, stages=stages, seq_len_streams={2 * SEQ: {"a": long_a}})
+    assert (job.stage_seq_len(1), job.max_seq_len, job.stage_tokens_per_batch(1)) == (64, 64, 512)
+    log = tmp_path / "samples.jsonl"
+    _ok(_launch(job_path, 0, log))
+    _killed(_launch(job_path, 1, log, fault="step:3584"))  # after the 3072 checkpoint
+    _ok(_launch(job_path, 1, log))
+
+    steps = read_sample_log(log)
+    assert list(steps) == [t * STEP for t in range(1, 11)] + [2560 + k * 512 for k in range(1, 5)]
+    long = [i for t, r in steps.items() if t > 2560 for i in r["samples"][0]]
+    assert len(long) == len(set(long)) == 32 and max(long) < 60  # 2048 tokens of 64-token samples, once each
+    assert [c.tokens for c in list_complete(job.save_folder)] == [1024, 2048, 2560, 3072, 4096, 4608]
+    hf = export_hf(list_complete(job.save_folder)[-1].path, tmp_path / "hf")
+    assert json.loads((Path(hf) / "config.json").read_text())["max_position_embeddings"] == 64
+
+    missing = job.model_dump()
+    missing["seq_len_streams"] = {}
+    with pytest.raises(ValueError, match="stage 'long' mixes unknown sources at seq_len 64: a"):
+        type(job).model_validate(missing)

@@ -135,7 +135,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         log.info("stage %s is already complete", stage.name)
         return None
 
-    hf_model = model_lib.build_model(job.model, job.vocab_size, job.seq_len, job.eos_token_id, job.train.seed)
+    hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
     if job.model.init_from and plan.kind == "fresh":  # later launches load the run's own checkpoints
         model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job))
     tokenizer = None
@@ -146,7 +146,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     model = _wrap(hf_model, tokenizer)
 
     schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
-    flops = model_lib.flops_per_token(job.model, job.vocab_size, job.seq_len).total
+    flops = model_lib.flops_per_token(job.model, job.vocab_size, job.stage_seq_len(stage_index)).total
     metrics = MlflowMetrics(
         job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index)
     )

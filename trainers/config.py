@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -36,7 +43,7 @@ class ModelConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         kv = self.n_kv_heads or self.n_heads
@@ -72,6 +79,11 @@ class StageConfig(_Strict):
     lr_scale: float = Field(1.0, gt=0, description="Multiplies the global schedule's LR while this stage trains.")
     global_batch_size: PositiveInt | None = Field(
         None, description="Sequences per optimizer step in this stage; null uses train.global_batch_size."
+    )
+    seq_len: PositiveInt | None = Field(
+        None,
+        description="Tokens per sample in this stage (e.g. a final long-context stage); null uses data.seq_len. "
+        "The flow prepares this stage's sources at this length as well.",
     )
     anneal: bool = Field(
         False,
@@ -156,7 +168,7 @@ class TrainConfig(_Strict):
         return folder
 
     @model_validator(mode="after")
-    def _unique_stage_names(self) -> "TrainConfig":
+    def _unique_stage_names(self) -> TrainConfig:
         names = [s.name for s in self.stages]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -181,6 +193,10 @@ class TrainJob(_Strict):
     eos_token_id: int = Field(..., ge=0, description="EOS id the data was packed with.")
     seq_len: PositiveInt = Field(..., description="Tokens per packed sample.")
     streams: dict[str, str] = Field(..., description="Source name -> prepared MDS directory (local path or URI).")
+    seq_len_streams: dict[int, dict[str, str]] = Field(
+        default_factory=dict,
+        description="For stages with their own seq_len: seq_len -> {source name -> MDS directory prepared at it}.",
+    )
     save_folder: str = Field(
         ..., description="The run's local checkpoint folder (the working copy when train.save_folder is s3://)."
     )
@@ -200,19 +216,33 @@ class TrainJob(_Strict):
     def tokens_per_batch(self) -> int:
         return self.train.global_batch_size * self.seq_len
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sample any stage trains on: the model's position range."""
+        return max(self.stage_seq_len(k) for k in range(len(self.train.stages)))
+
     def stage_batch_size(self, stage_index: int) -> int:
         return self.train.stages[stage_index].global_batch_size or self.train.global_batch_size
 
+    def stage_seq_len(self, stage_index: int) -> int:
+        return self.train.stages[stage_index].seq_len or self.seq_len
+
+    def stage_streams(self, stage_index: int) -> dict[str, str]:
+        """Source name -> MDS directory holding samples of this stage's seq_len."""
+        seq_len = self.stage_seq_len(stage_index)
+        return self.streams if seq_len == self.seq_len else self.seq_len_streams.get(seq_len, {})
+
     def stage_tokens_per_batch(self, stage_index: int) -> int:
-        return self.stage_batch_size(stage_index) * self.seq_len
+        return self.stage_batch_size(stage_index) * self.stage_seq_len(stage_index)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainJob":
-        for stage in self.train.stages:
-            missing = sorted(set(stage.mixture) - set(self.streams))
+    def _consistent(self) -> TrainJob:
+        for k, stage in enumerate(self.train.stages):
+            missing = sorted(set(stage.mixture) - set(self.stage_streams(k)))
             if missing:
-                raise ValueError(f"stage {stage.name!r} mixes unknown sources: {', '.join(missing)}")
-            per_step = (stage.global_batch_size or self.train.global_batch_size) * self.seq_len
+                at = f" at seq_len {self.stage_seq_len(k)}" if self.stage_seq_len(k) != self.seq_len else ""
+                raise ValueError(f"stage {stage.name!r} mixes unknown sources{at}: {', '.join(missing)}")
+            per_step = self.stage_tokens_per_batch(k)
             if stage.tokens % per_step:
                 raise ValueError(
                     f"stage {stage.name!r}: tokens ({stage.tokens}) must be a multiple of "

@@ -63,7 +63,7 @@ def _stream(path: str, proportion: float) -> Stream:
 
 
 def stage_samples(job: TrainJob, stage_index: int) -> int:
-    return job.train.stages[stage_index].tokens // job.seq_len
+    return job.train.stages[stage_index].tokens // job.stage_seq_len(stage_index)
 
 
 def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSpec:
@@ -74,9 +74,10 @@ def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSp
         raise ValueError(f"stage {stage.name!r}: global batch size {batch} is not divisible by the process count ({world_size})")
     device_batch = batch // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
-    streams = [_stream(job.streams[name], p) for name, p in sorted(stage.mixture.items())]
+    paths = job.stage_streams(stage_index)
+    streams = [_stream(paths[name], p) for name, p in sorted(stage.mixture.items())]
     dataset = TokenSamples(
-        seq_len=job.seq_len,
+        seq_len=job.stage_seq_len(stage_index),
         streams=streams,
         epoch_size=stage_samples(job, stage_index),
         batch_size=device_batch,

@@ -50,7 +50,7 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
             file=sys.stderr,
         )
         return ExitCode.FATAL
-    skip = exc.already_skipped + (exc.tokens - exc.resume_tokens) // job.seq_len
+    skip = exc.already_skipped + (exc.tokens - exc.resume_tokens) // job.stage_seq_len(exc.stage_index)
     if dist.get_global_rank() == 0:
         records.append(
             {

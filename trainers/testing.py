@@ -66,6 +66,7 @@ def tiny_job(
     run_name: str = "tiny",
     model: ModelConfig | None = None,
     mlflow: MlflowTarget | None = None,
+    seq_len_streams: dict[int, dict[str, str]] | None = None,
     **train_overrides,
 ) -> TrainJob:
     train = TrainConfig(
@@ -82,6 +83,7 @@ def tiny_job(
         eos_token_id=0,
         seq_len=seq_len,
         streams=streams,
+        seq_len_streams=seq_len_streams or {},
         save_folder=str(Path(root) / "ckpt"),
         checkpoint_every_tokens=checkpoint_every_tokens or 4 * global_batch_size * seq_len,
         tokenizer_dir=tokenizer_dir,
