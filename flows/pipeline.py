@@ -190,6 +190,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             seq_len=recipe.data.seq_len,
             streams={name: str(src.path) for name, src in prepared.sources.items()},
             seq_len_streams=seq_len_streams,
+            val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
             save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
             checkpoint_every_tokens=recipe.eval.every,
             tokenizer_dir=str(prepared.tokenizer.hf_dir),

@@ -125,6 +125,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert long_stories != job["streams"]["stories"]
     assert json.loads((Path(long_stories).parent / "provenance.json").read_text())["seq_len"] == 256
     assert client.get_metric_history(run_id, "throughput/tokens_per_sec")
+    for source in ("literary", "stories"):  # held-out loss of each source, scored as each checkpoint is saved
+        assert [m.step for m in client.get_metric_history(run_id, f"val/{source}/loss")] == [16384, 32768, 49152]
     gauntlet_keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("icl/")]
     assert gauntlet_keys
     assert sorted(m.step for m in client.get_metric_history(run_id, gauntlet_keys[0])) == [16384, 32768, 49152]

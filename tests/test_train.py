@@ -147,6 +147,7 @@ def sources(tmp_path_factory):
     from trainers.testing import write_mds
 
     root = tmp_path_factory.mktemp("data")
+    write_mds(root / "b_val", 24, SEQ, 512, seed=9, low=256)  # held out from b: 3 batches, scored at checkpoints
     return {
         "a": str(write_mds(root / "a", 200, SEQ, 256, seed=1)),
         "b": str(write_mds(root / "b", 200, SEQ, 512, seed=2, low=256)),
@@ -156,6 +157,9 @@ def sources(tmp_path_factory):
 def _job(root: Path, sources, **kw):
     from trainers.testing import tiny_job, write_job
 
+    # Every run also scores b's held-out split at each checkpoint, so the exactness tests cover evaluation too.
+    kw.setdefault("val_streams", {"b": str(Path(sources["b"]).parent / "b_val")})
+    kw.setdefault("val_batches", 3)
     job = tiny_job(root, sources, kw.pop("stages", STAGES), seq_len=SEQ, global_batch_size=BATCH,
                    checkpoint_every_tokens=4 * STEP, **kw)  # fmt: skip
     return job, write_job(job, root / "job.json")
@@ -213,10 +217,10 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
         tmp_path, sources, stages=STAGES[:1], tokenizer_dir=str(tok), vocab_size=512,
         mlflow=MlflowTarget(tracking_uri=mlflow_uri, run_id=run_id),
     )  # fmt: skip
+    val = job.val_streams["b"]
     log = tmp_path / "samples.jsonl"
 
-    killed = _launch(job_path, 0, log, fault="step:1792")  # 7th step, after the 1024-token checkpoint
-    assert killed.returncode == -9
+    _killed(_launch(job_path, 0, log, fault="step:1792"))  # 7th step, after the 1024-token checkpoint
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024]
 
     _ok(_launch(job_path, 0, log))
@@ -244,6 +248,20 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
 
     out = export_hf(done[-1].path, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(out)
+
+    # Held-out loss at each checkpoint, scored before the save: it is the checkpoint's own loss on b_val.
+    val_loss = {m.step: m.value for m in client.get_metric_history(run_id, "val/b/loss")}
+    assert sorted(val_loss) == [1024, 2048, 2560]
+    import numpy as np
+    from streaming import StreamingDataset
+
+    ids = torch.tensor(np.stack([StreamingDataset(local=str(val), shuffle=False)[i]["tokens"] for i in range(24)]).astype(np.int64))
+    first = AutoModelForCausalLM.from_pretrained(export_hf(done[0].path, tmp_path / "hf1024"))
+    with torch.no_grad():  # mean CE over all 24 x 31 predicted tokens
+        expected = {2560: hf(input_ids=ids, labels=ids).loss.item(), 1024: first(input_ids=ids, labels=ids).loss.item()}
+    assert val_loss[2560] == pytest.approx(expected[2560], rel=1e-5)
+    assert val_loss[1024] == pytest.approx(expected[1024], rel=1e-5)
+    assert val_loss[1024] != val_loss[2560]
     assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"]
     weights = _model_state(done[-1].path)["model"]
     for name, tensor in hf.state_dict().items():

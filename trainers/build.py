@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 from composer import Trainer
 from composer.algorithms import GradientClipping
+from composer.core import Event
 from composer.models import HuggingFaceModel
 
 from trainers import model as model_lib
 from trainers.callbacks import LossGuard, MlflowMetrics, Probe
 from trainers.config import TrainJob
-from trainers.data import build_stage_data, clean_stale_shared_memory
+from trainers.data import build_stage_data, build_val_evaluators, clean_stale_shared_memory
 from trainers.exit_codes import FatalError
-from trainers.resume import PublishingCheckpointSaver, StartPlan, drop_dataset_state, plan_start
+from trainers.resume import PublishingCheckpointSaver, StartPlan, checkpoint_due, drop_dataset_state, plan_start
 from trainers.rollback import apply_skip, pending_skip
 from trainers.schedule import GlobalLRSchedule, stage_bounds
 
@@ -77,7 +78,11 @@ def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
     probe = hf_module._is_registered_causal_lm
     hf_module._is_registered_causal_lm = lambda model: True
     try:
-        return HuggingFaceModel(hf_model, tokenizer=tokenizer, use_logits=True, shift_labels=True)
+        from composer.metrics.nlp import LanguageCrossEntropy
+
+        return HuggingFaceModel(
+            hf_model, tokenizer=tokenizer, use_logits=True, shift_labels=True, eval_metrics=[LanguageCrossEntropy()]
+        )
     finally:
         hf_module._is_registered_causal_lm = probe
 
@@ -173,6 +178,8 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     trainer = Trainer(
         model=model,
         train_dataloader=build_stage_data(job, stage_index, world_size),
+        # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
+        eval_dataloader=build_val_evaluators(job, world_size, checkpoint_due(job, stage_index, Event.BATCH_END)) or None,
         optimizers=optimizer_for(hf_model, job),
         max_duration=f"{end}tok",
         device_train_microbatch_size=microbatch,

@@ -19,7 +19,7 @@ from trainers.resume import _maybe_fault
 
 
 class MlflowMetrics(Callback):
-    """Logs train/loss, train/lr, throughput and MFU into an existing MLflow run with step = tokens.
+    """Logs train/loss, train/lr, throughput, MFU and val/<source>/loss into an existing MLflow run, step = tokens.
 
     Buffered and flushed with one `log_batch` call every `flush_every_s`, so a sqlite or remote
     tracking server costs nothing per step. Rank 0 only: the loss Composer hands us is already
@@ -94,6 +94,21 @@ class MlflowMetrics(Callback):
             # the relaunch will not re-train (and re-log).
             if time.monotonic() - self._last_flush > self.flush_every_s or self._crossed(tokens):
                 self.flush()
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        """A val/<source> evaluator finished (at a checkpoint step): log its loss now, before the save."""
+        if dist.get_global_rank() != 0 or "LanguageCrossEntropy" not in state.eval_metric_values:
+            return
+        tokens = int(state.timestamp.token)
+        loss = float(state.eval_metric_values["LanguageCrossEntropy"])
+        row = {f"{state.dataloader_label}/loss": loss}
+        self.history.append({"tokens": tokens, **row})
+        if self._client is not None:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
+            self.flush()
 
     def _crossed(self, tokens: int) -> bool:
         every = self.flush_every_tokens

@@ -144,6 +144,12 @@ class TrainConfig(_Strict):
         "An s3://bucket/prefix URI keeps every complete checkpoint under <prefix>/<run>/ as well, and a launch "
         "whose local working copy lacks them (a new node, a wiped work_dir) resumes from there.",
     )
+    val_batches: int = Field(
+        8,
+        ge=0,
+        description="Global batches of each source's held-out val split (data.sources[].val_fraction) scored "
+        "at every checkpoint and logged as val/<source>/loss; 0 disables.",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
     data_canonical_nodes: PositiveInt = Field(
         1,
@@ -193,6 +199,9 @@ class TrainJob(_Strict):
     eos_token_id: int = Field(..., ge=0, description="EOS id the data was packed with.")
     seq_len: PositiveInt = Field(..., description="Tokens per packed sample.")
     streams: dict[str, str] = Field(..., description="Source name -> prepared MDS directory (local path or URI).")
+    val_streams: dict[str, str] = Field(
+        default_factory=dict, description="Source name -> its held-out val MDS directory, for the sources that have one."
+    )
     seq_len_streams: dict[int, dict[str, str]] = Field(
         default_factory=dict,
         description="For stages with their own seq_len: seq_len -> {source name -> MDS directory prepared at it}.",

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from composer.core import DataSpec
+from composer.core import DataSpec, Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
 from trainers.config import TrainJob
 
-__all__ = ["build_stage_data", "clean_stale_shared_memory"]
+__all__ = ["build_stage_data", "build_val_evaluators", "clean_stale_shared_memory"]
 
 
 class TokenSamples(StreamingDataset):
@@ -48,13 +48,14 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     input_ids = torch.stack([s["input_ids"] for s in samples])  # (B, T)
     return {
         "input_ids": input_ids,
-        # Causal LM targets are the inputs; LlamaForCausalLM shifts them by one internally.
-        "labels": input_ids,
+        # Causal LM targets are the inputs; LlamaForCausalLM shifts them by one internally. A copy:
+        # Composer's eval_forward shifts `labels` in place, which would corrupt shared input ids.
+        "labels": input_ids.clone(),
         "sample_idx": torch.tensor([s["sample_idx"] for s in samples], dtype=torch.int64),
     }
 
 
-def _stream(path: str, proportion: float) -> Stream:
+def _stream(path: str, proportion: float | None = None) -> Stream:
     """A local MDS directory is read in place; a remote one (s3://...) is cached under TESSERA_STREAM_CACHE."""
     if "://" not in path:
         return Stream(local=path, proportion=proportion)
@@ -96,3 +97,28 @@ def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSp
         drop_last=True,
     )
     return DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel())
+
+
+def build_val_evaluators(job: TrainJob, world_size: int, due) -> list[Evaluator]:
+    """One Composer Evaluator per source with a held-out split: `val/<source>`, scored when `due(state, event)`.
+
+    The first `train.val_batches` global batches of each split, in file order (no shuffle), so
+    every checkpoint is scored on the same samples and the curves are comparable across stages.
+    """
+    if not job.train.val_batches:
+        return []
+    device_batch = max(1, job.train.global_batch_size // world_size)
+    evaluators = []
+    for name, path in sorted(job.val_streams.items()):
+        dataset = TokenSamples(seq_len=job.seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False)
+        loader = StreamingDataLoader(dataset, batch_size=device_batch, collate_fn=collate, num_workers=0)
+        evaluators.append(
+            Evaluator(
+                label=f"val/{name}",
+                dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel()),
+                metric_names=["LanguageCrossEntropy"],
+                subset_num_batches=job.train.val_batches,
+                eval_interval=due,
+            )
+        )
+    return evaluators

@@ -198,6 +198,24 @@ def drop_dataset_state(state_dict: dict) -> None:
     state_dict["state"].pop("dataset_state", None)
 
 
+def checkpoint_due(job: TrainJob, stage_index: int, event_wanted: Event):
+    """`(state, event) -> bool`: true at `event_wanted` of every step that is checkpointed.
+
+    A step is checkpointed when it crosses a multiple of checkpoint_every_tokens ("crossed" rather
+    than "is a multiple": with per-stage batch sizes a stage's steps need not land on the
+    multiples themselves) and at the stage's end. Validation runs on the same steps.
+    """
+    every = job.checkpoint_every_tokens
+    step = job.stage_tokens_per_batch(stage_index)
+    stage_end = stage_bounds(job.train)[stage_index][1]
+
+    def due(state: State, event: Event) -> bool:
+        tokens = int(state.timestamp.token.value)
+        return event == event_wanted and (tokens // every > (tokens - step) // every or tokens >= stage_end)
+
+    return due
+
+
 class PublishingCheckpointSaver(CheckpointSaver):
     """Composer's saver, reordered so the latest symlink moves only after the manifest is published.
 
@@ -211,15 +229,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
         self.stage_end = stage_bounds(job.train)[stage_index][1]
         self.last_saved_tokens: int | None = None
-        every = job.checkpoint_every_tokens
-        step = job.stage_tokens_per_batch(stage_index)
-
-        def due(state: State, event: Event) -> bool:
-            # "Crossed a multiple of every" rather than "is a multiple": with per-stage batch sizes a
-            # stage's steps need not land on the multiples themselves.
-            tokens = int(state.timestamp.token.value)
-            return event == Event.BATCH_CHECKPOINT and (tokens // every > (tokens - step) // every or tokens >= self.stage_end)
-
+        due = checkpoint_due(job, stage_index, Event.BATCH_CHECKPOINT)
         super().__init__(
             folder=job.save_folder,
             filename=checkpoint_name(job, stage_index),

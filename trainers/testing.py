@@ -67,6 +67,7 @@ def tiny_job(
     model: ModelConfig | None = None,
     mlflow: MlflowTarget | None = None,
     seq_len_streams: dict[int, dict[str, str]] | None = None,
+    val_streams: dict[str, str] | None = None,
     **train_overrides,
 ) -> TrainJob:
     train = TrainConfig(
@@ -84,6 +85,7 @@ def tiny_job(
         seq_len=seq_len,
         streams=streams,
         seq_len_streams=seq_len_streams or {},
+        val_streams=val_streams or {},
         save_folder=str(Path(root) / "ckpt"),
         checkpoint_every_tokens=checkpoint_every_tokens or 4 * global_batch_size * seq_len,
         tokenizer_dir=tokenizer_dir,
