@@ -7,6 +7,7 @@ uses gloo. Each job runs in its own process group so cancelling it stops every r
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,12 +34,34 @@ class LocalJob:
 
     process: subprocess.Popen
     log_path: Path
+    log_offset: int = 0  # where this launch's output starts in the (appended) log
 
     def poll(self) -> int | None:
         return self.process.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        return self.process.wait(timeout)
+        """The exit code of the rank that failed first, or the launcher's (0 when all ranks succeeded).
+
+        When one rank fails, Composer's launcher terminates the others and then reports the lowest
+        failing rank's code: rank 0's SIGTERM answer (retryable) would hide rank 1's fatal code. The
+        launcher logs the rank it saw crash first, and that is the code that says what happened.
+        """
+        code = self.process.wait(timeout)
+        if code != 0:
+            first = self._first_crash()
+            if first is not None:
+                return first
+        return code
+
+    def _first_crash(self) -> int | None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return None
+        match = re.search(r"Rank \d+ crashed with exit code (-?\d+)", text)
+        return int(match[1]) if match else None
 
     def cancel(self, grace_s: float = 10.0) -> None:
         """SIGTERM the job's whole process group, then SIGKILL whatever is left after grace_s.
@@ -86,6 +109,7 @@ class LocalBackend:
     ) -> LocalJob:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / "rank0.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 self.command(module, args, log_dir),
@@ -94,7 +118,7 @@ class LocalBackend:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 start_new_session=True,
             )
-        job = LocalJob(process=process, log_path=log_path)
+        job = LocalJob(process=process, log_path=log_path, log_offset=offset)
         _LIVE.add(job)
         return job
 

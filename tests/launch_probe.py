@@ -1,12 +1,25 @@
-"""A stand-in training module for infra tests: reports its rank, then exits or sleeps as told."""
+"""A stand-in training module for infra tests: reports its rank, then exits or sleeps as told.
+
+    exit N     rank 0 exits N, the others 0
+    sleep S    every rank sleeps S seconds
+    peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 75 as the trainer does
+"""
 
 import os
+import signal
 import sys
 import time
 
 if __name__ == "__main__":
     print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} master={os.environ['MASTER_ADDR']}", flush=True)
     mode, value = sys.argv[1], int(sys.argv[2])
+    rank = os.environ["RANK"]
     if mode == "sleep":
         time.sleep(value)
-    sys.exit(value if (mode == "exit" and os.environ["RANK"] == "0") else 0)
+    if mode == "peer":
+        if rank == "1":
+            time.sleep(1)
+            sys.exit(value)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
+        time.sleep(120)
+    sys.exit(value if (mode == "exit" and rank == "0") else 0)

@@ -31,6 +31,17 @@ def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
     assert "rank=1 world=2 master=127.0.0.1" in (tmp_path / "rank1.stdout.log").read_text()
 
 
+def test_the_first_failing_rank_sets_the_exit_code(tmp_path, monkeypatch):
+    """Rank 1 fails fatally; the launcher then SIGTERMs rank 0, which answers 75 (retryable) and would
+    otherwise be the code the launcher reports. The job reports rank 1's 78, so no retry is wasted."""
+    monkeypatch.chdir(ROOT)
+    backend = backend_for(ComputeConfig(procs_per_node=2))
+    backend.launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path).wait(timeout=120)  # an earlier launch
+    job = backend.launch("tests.launch_probe", ["peer", "78"], log_dir=tmp_path)  # appends to the same log
+    assert job.wait(timeout=120) == 78
+    assert job.process.returncode == 75  # what the launcher itself said
+
+
 def test_cancel_stops_every_rank(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     job = backend_for(ComputeConfig(procs_per_node=2)).launch("tests.launch_probe", ["sleep", "600"], log_dir=tmp_path)
