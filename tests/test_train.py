@@ -123,6 +123,28 @@ def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
         step(float("nan"), 1700)
 
 
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
+def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
+    """No GPU here, so FSDP never runs in this suite: at least Composer's own parser must accept what we pass."""
+    import torch
+    from composer import Trainer
+
+    from trainers.build import fsdp_config
+    from trainers.model import build_model
+    from trainers.testing import tiny_job
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    job = tiny_job("/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": sharding, "activation_checkpointing": True})
+    model = build_model(job.model, 512, SEQ, 0, seed=0)
+    parsed = Trainer._parse_parallelism_config(None, fsdp_config(job, model, world_size=4)).fsdp
+    assert (parsed.sharding_strategy, parsed.activation_checkpointing, parsed.state_dict_type) == (sharding, True, "full")
+    assert (parsed.data_parallel_shard_degree, parsed.data_parallel_replicate_degree) == (
+        (2, 2) if sharding == "HYBRID_SHARD" else (-1, None)
+    )
+    assert all(layer._fsdp_wrap and layer._activation_checkpointing for layer in model.model.layers)
+
+
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
     from trainers.checkpoints import CheckpointInfo, list_complete, publish
     from trainers.resume import PublishingCheckpointSaver
