@@ -187,10 +187,10 @@ def _job(root: Path, sources, **kw):
     return job, write_job(job, root / "job.json")
 
 
-def _launch(job_path, stage, log, fault=None, procs=1, fault_rank=None):
+def _launch(job_path, stage, log, fault=None, procs=1, fault_rank=None, env=None):
     from trainers.testing import run_stage
 
-    env = {"TESSERA_SAMPLE_LOG": str(log)}
+    env = {"TESSERA_SAMPLE_LOG": str(log), **(env or {})}
     if fault:
         env["TESSERA_FAULT"] = fault
     if fault_rank is not None:
@@ -242,7 +242,8 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     val = job.val_streams["b"]
     log = tmp_path / "samples.jsonl"
 
-    _killed(_launch(job_path, 0, log, fault="step:1792"))  # 7th step, after the 1024-token checkpoint
+    # Metrics reach MLflow every step, so steps 5-7 are logged before the kill and re-trained after it.
+    _killed(_launch(job_path, 0, log, fault="step:1792", env={"TESSERA_METRICS_FLUSH_S": "0"}))
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024]
 
     _ok(_launch(job_path, 0, log))
@@ -259,7 +260,7 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024, 2048, 2560]
 
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
-    assert sorted(set(steps)) == [t * STEP for t in range(1, 11)]
+    assert sorted(steps) == [t * STEP for t in range(1, 11)]  # each step once: the relaunch skipped 5-7
     metrics = client.get_run(run_id).data.metrics
     assert {"train/loss", "train/lr", "throughput/tokens_per_sec"} <= set(metrics)
     assert client.get_run(run_id).data.tags["stage/warm/start_tokens"] == "0"

@@ -152,11 +152,14 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
     schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.stage_seq_len(stage_index)).total
-    metrics = MlflowMetrics(
-        job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index)
-    )
-    saver = PublishingCheckpointSaver(job, stage_index)
     skip = pending_skip(job, stage_index, plan.tokens)
+    metrics = MlflowMetrics(
+        job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index),
+        logged_marker=Path(job.save_folder) / f"{job.run_name}-metrics-logged.json",
+        # After a rollback the re-trained steps see other data: their metrics differ and are logged again.
+        relog=bool(skip),
+    )  # fmt: skip
+    saver = PublishingCheckpointSaver(job, stage_index)
     callbacks = [
         schedule,
         # Before the saver: a bad step must never be checkpointed.

@@ -35,14 +35,22 @@ class MlflowMetrics(Callback):
         stage_start: int,
         flush_every_tokens: int,
         step_tokens: int,
-        flush_every_s: float = 10.0,
+        flush_every_s: float | None = None,
+        logged_marker: Path | None = None,
+        relog: bool = False,
     ):
         self.target = target
         self.lr_source = lr_source
         self.flops_per_token = flops_per_token
         self.stage_name = stage_name
         self.stage_start = stage_start
-        self.flush_every_s = flush_every_s
+        # How often buffered metrics reach MLflow; TESSERA_METRICS_FLUSH_S=0 sends every step.
+        self.flush_every_s = float(os.environ.get("TESSERA_METRICS_FLUSH_S", "10")) if flush_every_s is None else flush_every_s
+        # Steps up to `logged_until` were logged by an earlier launch of this run that was killed after
+        # flushing them: the relaunch re-trains them bit for bit and must not log them a second time.
+        self.logged_marker = logged_marker
+        self.logged_until = 0 if relog else self._read_marker()
+        self._flushed_tokens = self.logged_until
         self.flush_every_tokens = flush_every_tokens
         self.step_tokens = step_tokens
         self._buffer: list = []
@@ -85,7 +93,7 @@ class MlflowMetrics(Callback):
                 row["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self._window = (time.perf_counter(), tokens)
         self.history.append({"tokens": tokens, **row})
-        if self._client is not None:
+        if self._client is not None and tokens > self.logged_until:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
@@ -103,7 +111,7 @@ class MlflowMetrics(Callback):
         loss = float(state.eval_metric_values["LanguageCrossEntropy"])
         row = {f"{state.dataloader_label}/loss": loss}
         self.history.append({"tokens": tokens, **row})
-        if self._client is not None:
+        if self._client is not None and tokens > self.logged_until:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
@@ -119,8 +127,23 @@ class MlflowMetrics(Callback):
             # MLflow caps a log_batch at 1000 metrics.
             for i in range(0, len(self._buffer), 1000):
                 self._client.log_batch(self.target.run_id, metrics=self._buffer[i : i + 1000], synchronous=True)
+            self._flushed_tokens = max(self._flushed_tokens, max(m.step for m in self._buffer))
             self._buffer = []
+            self._write_marker()
         self._last_flush = time.monotonic()
+
+    def _read_marker(self) -> int:
+        if self.logged_marker is None or self.target is None or not self.logged_marker.exists():
+            return 0
+        marker = json.loads(self.logged_marker.read_text())
+        return int(marker["tokens"]) if marker.get("mlflow_run_id") == self.target.run_id else 0
+
+    def _write_marker(self) -> None:
+        if self.logged_marker is None:
+            return
+        tmp = self.logged_marker.with_name(f".tmp-{self.logged_marker.name}")
+        tmp.write_text(json.dumps({"mlflow_run_id": self.target.run_id, "tokens": self._flushed_tokens}))
+        os.replace(tmp, self.logged_marker)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.flush()
