@@ -520,3 +520,84 @@ def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     missing["seq_len_streams"] = {}
     with pytest.raises(ValueError, match="stage 'long' mixes unknown sources at seq_len 64: a"):
         type(job).model_validate(missing)
+
+
+def _can_unshare_mounts() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str, str]) -> tuple[int, int]:
+    """One rank per "node", two Composer launchers. Node 1 runs in its own mount namespace where the
+    job's save folder is another directory and /dev/shm is its own: like pods on two hosts, the nodes
+    share no checkpoint folder and no shared memory."""
+    import os
+    import shlex
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TESSERA_SAMPLE_LOG": str(log), **env}
+    procs = []
+    for node in (0, 1):
+        logs = Path(job_path).parent / f"node{node}"
+        logs.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "composer.cli.launcher", "-n", "1", "--world_size", "2", "--node_rank", str(node),
+            "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "--stdout", str(logs / "rank{rank}.out"), "--stderr", str(logs / "rank{rank}.err"),
+            "-m", "trainers.train", "--job", str(job_path), "--stage", "0",
+        ]  # fmt: skip
+        if node == 1:
+            folder = shlex.quote(job.save_folder)
+            # Its own save folder, and its own /dev/shm: Streaming's shared memory is per host.
+            mount = f"mkdir -p {folder} && mount --bind {shlex.quote(str(node1_disk))} {folder} && mount -t tmpfs tmpfs /dev/shm"
+            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(cmd)}"]
+        with open(logs / "launcher.log", "ab") as out:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT))
+    return tuple(p.wait(timeout=300) for p in procs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk")
+def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path, sources, moto_s3):
+    """Rank 1 lives on "node 1", whose disk never sees rank 0's checkpoints. It is SIGKILLed after step 7;
+    the relaunch plans on rank 0, broadcasts the plan, node 1 fetches the checkpoint from s3, and the
+    run finishes with the samples and losses of the one-process reference."""
+    import os
+
+    from trainers.callbacks import read_sample_log
+    from trainers.remote import RemoteFolder
+
+    moto_s3.create_bucket(Bucket="ckpts")
+    job, job_path = _job(tmp_path, sources, stages=STAGES, save_folder="s3://ckpts/runs")
+    node1_disk = tmp_path / "node1-disk"
+    node1_disk.mkdir()
+    log = tmp_path / "samples.jsonl"
+
+    codes = _launch_two_nodes(job, job_path, node1_disk, log, {"TESSERA_FAULT": "step:1792", "TESSERA_FAULT_RANK": "1"})
+    assert codes[0] == ExitCode.RETRYABLE, (codes, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("node*/*"))])
+    assert not list(node1_disk.glob("*.pt"))  # node 1 has never held a checkpoint
+    codes = _launch_two_nodes(job, job_path, node1_disk, log, {})
+    if codes[0] == ExitCode.RETRYABLE:  # as the flow would: a lost rendezvous race on a busy box is retried
+        codes = _launch_two_nodes(job, job_path, node1_disk, log, {})
+    err = "".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("node*/*.err")) + sorted(tmp_path.glob("node*/*.log")))
+    assert codes == (0, 0), err
+
+    # Node 1 resumed from the checkpoint it downloaded into its own disk.
+    fetched = node1_disk / "tiny-s0-tok1024-rank0.pt"
+    assert fetched.is_file()
+    assert os.readlink(node1_disk / "latest-tiny-s0-rank0.pt") == fetched.name
+    assert [c.tokens for c in RemoteFolder(job.remote_folder).complete()] == [1024, 2048, 2560]
+
+    _, ref_root = reference
+    ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
+    two = read_sample_log(log)
+    assert list(two) == list(ref)
+    for t in ref:
+        assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
+        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-5), t

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -17,9 +15,20 @@ from composer.models import HuggingFaceModel
 from trainers import model as model_lib
 from trainers.callbacks import LossGuard, MlflowMetrics, Probe
 from trainers.config import TrainJob
-from trainers.data import build_stage_data, build_val_evaluators, clean_stale_shared_memory
-from trainers.exit_codes import FatalError
-from trainers.resume import PublishingCheckpointSaver, StartPlan, checkpoint_due, drop_dataset_state, plan_start
+from trainers.data import (
+    build_stage_data,
+    build_val_evaluators,
+    clean_stale_shared_memory,
+)
+from trainers.exit_codes import FatalError, RetryableError
+from trainers.resume import (
+    PublishingCheckpointSaver,
+    StartPlan,
+    checkpoint_due,
+    drop_dataset_state,
+    plan_start,
+    prepare_node,
+)
 from trainers.rollback import apply_skip, pending_skip
 from trainers.schedule import GlobalLRSchedule, stage_bounds
 
@@ -44,26 +53,37 @@ def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimize
     )
 
 
-def _plan(job: TrainJob, stage_index: int) -> StartPlan:
-    """Rank 0 repairs the save folder; the others wait for its verdict in a file (no process group yet)."""
+def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
+    """(start plan, samples to skip): rank 0 repairs the save folder and decides, every rank gets its verdict.
+
+    With several ranks the verdict travels over the process group (initialised here, before
+    the Trainer, which reuses it), so no rank reads another node's disk. Then the first rank of
+    every other node makes sure the checkpoint to load is in its own local folder.
+    """
     rank, world_size = world()
-    # Ranks of one launch share the launcher as parent, so its pid names this launch's verdict.
-    marker = Path(job.save_folder) / f".{job.run_name}-plan-{os.getppid()}.json"
-    if rank == 0:
+    if world_size == 1:
         plan = plan_start(job, stage_index)
-        for stale in marker.parent.glob(f".{job.run_name}-plan-*.json"):  # verdicts of earlier launches
-            stale.unlink(missing_ok=True)
-        if world_size > 1:
-            tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps(plan.__dict__))
-            os.replace(tmp, marker)
-        return plan
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0 did not finish planning the start point")
-        time.sleep(0.05)
-    return StartPlan(**json.loads(marker.read_text()))
+        return plan, pending_skip(job, stage_index, plan.tokens)
+    from composer.utils import dist, get_device
+
+    dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
+    verdict: list = [None]
+    if rank == 0:
+        try:
+            plan = plan_start(job, stage_index)
+            verdict = [(plan.__dict__, pending_skip(job, stage_index, plan.tokens), None)]
+        except (FatalError, RetryableError) as exc:  # every rank leaves with it, none waits in the broadcast
+            verdict = [(None, 0, (isinstance(exc, FatalError), str(exc)))]
+    dist.broadcast_object_list(verdict, src=0)
+    fields, skip, error = verdict[0]
+    if error is not None:
+        fatal, message = error
+        raise (FatalError if fatal else RetryableError)(message)
+    plan = StartPlan(**fields)
+    if int(os.environ.get("NODE_RANK", "0")) != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        prepare_node(job, stage_index, plan)
+    dist.barrier()  # no rank loads before every node has its file
+    return plan, skip
 
 
 def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
@@ -131,9 +151,10 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     stage = job.train.stages[stage_index]
     _, world_size = world()
     on_gpu = torch.cuda.is_available()
-    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it.
+    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it. A
+    # collective: local rank 0 cleans while the node's other ranks wait (Streaming sets up its own group).
     clean_stale_shared_memory()
-    plan = _plan(job, stage_index)
+    plan, skip = _plan(job, stage_index)
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
     start, end = stage_bounds(job.train)[stage_index]
     if plan.tokens >= end:
@@ -152,7 +173,6 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
     schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.stage_seq_len(stage_index)).total
-    skip = pending_skip(job, stage_index, plan.tokens)
     metrics = MlflowMetrics(
         job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index),
         logged_marker=Path(job.save_folder) / f"{job.run_name}-metrics-logged.json",

@@ -134,6 +134,7 @@ class StartPlan:
     kind: Literal["fresh", "resume", "enter"]
     load_path: str | None  # what Composer loads when autoresume finds nothing (the previous stage's end)
     tokens: int  # tokens of the run already trained at the start point
+    checkpoint: dict | None = None  # CheckpointInfo of the checkpoint loaded (resume or enter)
 
 
 def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
@@ -176,7 +177,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         newest = max(own, key=lambda c: c.tokens)
         _atomic_symlink(Path(newest.path), link)
         _record_ledger(job, stage_index, remote)
-        return StartPlan("resume", None, newest.tokens)
+        return StartPlan("resume", None, newest.tokens, newest.model_dump())
     link.unlink(missing_ok=True)
     if stage_index == 0:
         _record_ledger(job, 0, remote)
@@ -190,7 +191,37 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
             f"in {job.save_folder}; train stage {stage_index - 1} first"
         )
     _record_ledger(job, stage_index, remote)
-    return StartPlan("enter", ends[-1].path, prev_end)
+    return StartPlan("enter", ends[-1].path, prev_end, ends[-1].model_dump())
+
+
+def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
+    """On the first rank of a node other than rank 0's: put the plan's checkpoint in this node's folder.
+
+    Composer loads from the same absolute path on every node. On a shared filesystem the file is
+    already there; on node-local disks it is fetched from the s3:// save folder. The latest symlink
+    is set to the plan's own choice either way, so a stale one left on this disk by an earlier
+    launch is never followed.
+    """
+    folder = Path(job.save_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / latest_name(job, stage_index).format(rank=0)
+    if plan.checkpoint is None:  # fresh: nothing to load
+        link.unlink(missing_ok=True)
+        return
+    info = CheckpointInfo.model_validate(plan.checkpoint)
+    path = Path(info.path)
+    if not (path.is_file() and is_intact(path)):
+        remote = RemoteFolder.for_job(job)
+        if remote is None:
+            raise FatalError(
+                f"save_folder: {path} is on rank 0's node only; ranks on other nodes need a shared save folder "
+                "or train.save_folder: s3://..."
+            )
+        path = Path(remote.download(info, folder).path)
+    if plan.kind == "resume":
+        _atomic_symlink(path, link)
+    else:
+        link.unlink(missing_ok=True)
 
 
 def drop_dataset_state(state_dict: dict) -> None:
