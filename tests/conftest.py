@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ def moto_s3(monkeypatch):
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
+    # moto keeps its buckets in process-wide state that outlives a server: start every test empty.
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
     for k, v in {"S3_ENDPOINT_URL": url, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
                  "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
         monkeypatch.setenv(k, v)

@@ -207,6 +207,30 @@ def _killed(proc):
     assert proc.returncode == -9, proc.stderr[-3000:]
 
 
+def _same_samples_once_each(reference, log: Path) -> None:
+    """The effective history equals the uninterrupted reference's, and each stage used every sample once."""
+    from trainers.callbacks import read_sample_log
+
+    effective = read_sample_log(log)
+    assert effective == read_sample_log(reference[1] / "samples.jsonl")
+    for lo, hi, n in [(0, 2560, 80), (2560, 4096, 48)]:
+        seen = [i for t, r in effective.items() if lo < t <= hi for i in r["samples"][0]]
+        assert len(seen) == len(set(seen)) == n
+
+
+def _matches_one_process_stage_1(reference, log: Path) -> None:
+    """Stage 1 of a multi-rank run: each step drew the reference's samples (split over ranks), same loss."""
+    from trainers.callbacks import read_sample_log
+
+    _, ref_root = reference
+    ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
+    two = read_sample_log(log)
+    assert list(two) == list(ref)
+    for t in ref:
+        assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
+        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-5), t
+
+
 def _model_state(path):
     import torch
 
@@ -334,7 +358,6 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
     """kill -9 mid-step, mid-save and inside stage 2 (plus a corrupted checkpoint): same weights, same samples."""
     import torch
 
-    from trainers.callbacks import read_sample_log
     from trainers.checkpoints import list_complete
 
     job, job_path = _job(tmp_path, sources)
@@ -350,12 +373,8 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
     newest.write_bytes(newest.read_bytes()[:-100])
     _ok(_launch(job_path, 1, log))
 
-    ref_job, ref_root = reference
-    effective = read_sample_log(log)
-    assert effective == read_sample_log(ref_root / "samples.jsonl")
-    for lo, hi, n in [(0, 2560, 80), (2560, 4096, 48)]:  # every sample index of each stage exactly once
-        seen = [i for t, r in effective.items() if lo < t <= hi for i in r["samples"][0]]
-        assert len(seen) == len(set(seen)) == n
+    ref_job, _ = reference
+    _same_samples_once_each(reference, log)
     assert [c.tokens for c in list_complete(job.save_folder)] == CKPT_TOKENS
     mine = _model_state(list_complete(job.save_folder)[-1].path)
     ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
@@ -369,7 +388,6 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
 def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
     """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
     exits RETRYABLE; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
-    from trainers.callbacks import read_sample_log
 
     job, job_path = _job(tmp_path, sources)  # both stages: the LR horizon must match the reference's
     log = tmp_path / "samples.jsonl"
@@ -381,13 +399,7 @@ def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, s
         # race and fail the rendezvous) is relaunched. Resumption makes that harmless.
         relaunch = _launch(job_path, 0, log, procs=2)
     _ok(relaunch, tmp_path / "logs")
-    _, ref_root = reference
-    ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
-    two = read_sample_log(log)
-    assert list(two) == list(ref)
-    for t in ref:
-        assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
-        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-5), t
+    _matches_one_process_stage_1(reference, log)
 
 
 @pytest.mark.slow
@@ -433,7 +445,6 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
 
     import torch
 
-    from trainers.callbacks import read_sample_log
     from trainers.checkpoints import list_complete
     from trainers.remote import RemoteFolder
 
@@ -477,12 +488,8 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
     }  # fmt: skip
     assert [s["name"] for s in json.loads(remote._get_text("tiny-stages.json"))] == ["warm", "mix"]
 
-    ref_job, ref_root = reference
-    effective = read_sample_log(log)
-    assert effective == read_sample_log(ref_root / "samples.jsonl")
-    for lo, hi, n in [(0, 2560, 80), (2560, 4096, 48)]:  # every sample index of each stage exactly once
-        seen = [i for t, r in effective.items() if lo < t <= hi for i in r["samples"][0]]
-        assert len(seen) == len(set(seen)) == n
+    ref_job, _ = reference
+    _same_samples_once_each(reference, log)
     wipe_local()
     remote.download(done[-1], Path(job.save_folder))
     mine = _model_state(list_complete(job.save_folder)[-1].path)
@@ -570,7 +577,6 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
     run finishes with the samples and losses of the one-process reference."""
     import os
 
-    from trainers.callbacks import read_sample_log
     from trainers.remote import RemoteFolder
 
     moto_s3.create_bucket(Bucket="ckpts")
@@ -594,10 +600,4 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
     assert os.readlink(node1_disk / "latest-tiny-s0-rank0.pt") == fetched.name
     assert [c.tokens for c in RemoteFolder(job.remote_folder).complete()] == [1024, 2048, 2560]
 
-    _, ref_root = reference
-    ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
-    two = read_sample_log(log)
-    assert list(two) == list(ref)
-    for t in ref:
-        assert sorted(sum(two[t]["samples"], [])) == sorted(ref[t]["samples"][0])
-        assert math.isclose(two[t]["loss"], ref[t]["loss"], rel_tol=1e-5), t
+    _matches_one_process_stage_1(reference, log)

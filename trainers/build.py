@@ -56,17 +56,16 @@ def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimize
 def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     """(start plan, samples to skip): rank 0 repairs the save folder and decides, every rank gets its verdict.
 
-    With several ranks the verdict travels over the process group (initialised here, before
-    the Trainer, which reuses it), so no rank reads another node's disk. Then the first rank of
-    every other node makes sure the checkpoint to load is in its own local folder.
+    With several ranks the verdict travels over the process group, so no rank reads another
+    node's disk. Then the first rank of every other node makes sure the checkpoint to load is in
+    its own local folder.
     """
     rank, world_size = world()
     if world_size == 1:
         plan = plan_start(job, stage_index)
         return plan, pending_skip(job, stage_index, plan.tokens)
-    from composer.utils import dist, get_device
+    from composer.utils import dist
 
-    dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
     verdict: list = [None]
     if rank == 0:
         try:
@@ -151,8 +150,15 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     stage = job.train.stages[stage_index]
     _, world_size = world()
     on_gpu = torch.cuda.is_available()
+    if world_size > 1:
+        # One process group for the whole launch, made before anything else needs one: Streaming's
+        # cleanup would otherwise create and destroy its own, and re-creating a group on the same
+        # port right after can race a peer still leaving the old one.
+        from composer.utils import dist, get_device
+
+        dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
     # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it. A
-    # collective: local rank 0 cleans while the node's other ranks wait (Streaming sets up its own group).
+    # collective: local rank 0 cleans while the node's other ranks wait.
     clean_stale_shared_memory()
     plan, skip = _plan(job, stage_index)
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
