@@ -142,11 +142,11 @@ def _prepare_stage_lengths(recipe: Recipe, tokenizer_dir: str) -> dict[int, dict
     for stage in recipe.train.stages:
         if stage.seq_len and stage.seq_len != recipe.data.seq_len:
             wanted.setdefault(stage.seq_len, set()).update(stage.mixture)
+    tokenizer = recipe.data.tokenizer
+    if tokenizer.train is not None:
+        tokenizer = tokenizer.model_copy(update={"path": tokenizer_dir, "train": None})
     streams = {}
     for seq_len, names in sorted(wanted.items()):
-        tokenizer = recipe.data.tokenizer
-        if tokenizer.train is not None:
-            tokenizer = tokenizer.model_copy(update={"path": tokenizer_dir, "train": None})
         sources = [s for s in recipe.data.sources if s.name in names]
         data = recipe.data.model_copy(update={"seq_len": seq_len, "sources": sources, "tokenizer": tokenizer})
         prepared = prepare_data.with_options(flow_run_name=f"prepare-data-seq{seq_len}")(data)

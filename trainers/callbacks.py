@@ -92,16 +92,9 @@ class MlflowMetrics(Callback):
             if torch.cuda.is_available():
                 row["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self._window = (time.perf_counter(), tokens)
-        self.history.append({"tokens": tokens, **row})
-        if self._client is not None and tokens > self.logged_until:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
-            # Also flush at every checkpoint boundary: a kill -9 then loses no metric of a step that
-            # the relaunch will not re-train (and re-log).
-            if time.monotonic() - self._last_flush > self.flush_every_s or self._crossed(tokens):
-                self.flush()
+        # Also flush at every checkpoint boundary: a kill -9 then loses no metric of a step that
+        # the relaunch will not re-train (and re-log).
+        self._record(tokens, row, flush=time.monotonic() - self._last_flush > self.flush_every_s or self._crossed(tokens))
 
     def eval_end(self, state: State, logger: Logger) -> None:
         """A val/<source> evaluator finished (at a checkpoint step): log its loss now, before the save."""
@@ -109,13 +102,18 @@ class MlflowMetrics(Callback):
             return
         tokens = int(state.timestamp.token)
         loss = float(state.eval_metric_values["LanguageCrossEntropy"])
-        row = {f"{state.dataloader_label}/loss": loss}
-        self.history.append({"tokens": tokens, **row})
-        if self._client is not None and tokens > self.logged_until:
-            from mlflow.entities import Metric
+        self._record(tokens, {f"{state.dataloader_label}/loss": loss}, flush=True)
 
-            now = int(time.time() * 1000)
-            self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
+    def _record(self, tokens: int, row: dict[str, float], flush: bool) -> None:
+        """Keep a row in memory and buffer it for MLflow (unless an earlier launch logged this step)."""
+        self.history.append({"tokens": tokens, **row})
+        if self._client is None or tokens <= self.logged_until:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
+        if flush:
             self.flush()
 
     def _crossed(self, tokens: int) -> bool:

@@ -96,6 +96,11 @@ def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSp
         num_workers=0,
         drop_last=True,
     )
+    return _spec(loader)
+
+
+def _spec(loader: StreamingDataLoader) -> DataSpec:
+    """Composer counts tokens per batch from this, for `Xtok` durations and the token timestamp."""
     return DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel())
 
 
@@ -115,7 +120,7 @@ def build_val_evaluators(job: TrainJob, world_size: int, due) -> list[Evaluator]
         evaluators.append(
             Evaluator(
                 label=f"val/{name}",
-                dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel()),
+                dataloader=_spec(loader),
                 metric_names=["LanguageCrossEntropy"],
                 subset_num_batches=job.train.val_batches,
                 eval_interval=due,

@@ -4,8 +4,8 @@ The trainer always works in a local folder with resume.py's layout, repair rules
 autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_name>/` in step with it:
 
 - after a checkpoint is published locally, its .pt is uploaded by a background thread (training
-  does not wait), and only once that upload has finished is its manifest uploaded. The remote manifest is the remote done-marker: a remote .pt
-  without one is never trusted, exactly as locally. Keep-last-K rotates the remote the same way
+  does not wait), and only once that upload has finished is its manifest uploaded. The remote
+  manifest is the remote done-marker: a remote .pt without one is never trusted, exactly as locally. Keep-last-K rotates the remote the same way
   (manifest first, then the .pt);
 - before a launch plans its start point, the run files (stage ledger, rollback records) are
   pulled, local complete checkpoints the remote lacks are uploaded (a kill between the local

@@ -258,7 +258,6 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.job = job
         self.stage_index = stage_index
         self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
-        self.stage_end = stage_bounds(job.train)[stage_index][1]
         self.last_saved_tokens: int | None = None
         due = checkpoint_due(job, stage_index, Event.BATCH_CHECKPOINT)
         super().__init__(

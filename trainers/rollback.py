@@ -44,10 +44,10 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
         return None
     # Rank 0's record is the truth (other nodes may not see its folder): every rank takes its count.
     # The guard checks the rank-averaged loss, so all ranks raise at the same step and meet here.
-    count = [len(read_rollbacks(job)) if dist.get_global_rank() == 0 else 0]
+    records = read_rollbacks(job) if dist.get_global_rank() == 0 else []
+    count = [len(records)]
     if dist.get_world_size() > 1 and dist.is_initialized():
         dist.broadcast_object_list(count, src=0)
-    records = read_rollbacks(job) if dist.get_global_rank() == 0 else []
     if count[0] >= job.train.loss_guard.max_rollbacks:
         print(
             f"tessera.train: fatal: {exc}; {count[0]} rollback(s) already used "
