@@ -1,3 +1,4 @@
-from infra.local import backend_for, cancel_all
+from infra.backends import backend_for
+from infra.lifecycle import LaunchRefused, allow_launches, cancel_all, stopping
 
-__all__ = ["backend_for", "cancel_all"]
+__all__ = ["LaunchRefused", "allow_launches", "backend_for", "cancel_all", "stopping"]

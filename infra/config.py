@@ -2,16 +2,275 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator
+from pydantic.alias_generators import to_camel
+
+# The backends this build can launch on; the Prefect form renders it as a dropdown.
+Backend = Literal["local", "kubernetes"]
+
+# A Kubernetes resource quantity (CPU "8", "500m"; memory "64Gi", "1.5G").
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# Names of plain `env` entries that look like credentials: those go through a Secret, never a manifest.
+_SECRET_LIKE = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.IGNORECASE)
+
+
+class _Kube(BaseModel):
+    """Kubernetes-shaped settings: snake_case in recipes, camelCase (as in Kubernetes docs) accepted too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class Toleration(_Kube):
+    """A pod toleration (core/v1 Toleration), e.g. for the taint GPU node pools carry."""
+
+    key: str | None = Field(None, description="Taint key; empty with operator Exists matches every taint.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal compares value; Exists ignores it.")
+    value: str | None = Field(None, description="Taint value, for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; null tolerates every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
+    )
+
+
+class SelectorRequirement(_Kube):
+    """One label (or node field) requirement: key, operator, values."""
+
+    key: str = Field(..., description="Label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(..., description="How to compare.")
+    values: list[str] | None = Field(None, description="Values for In/NotIn (any) and Gt/Lt (one integer).")
+
+
+class NodeSelectorTerm(_Kube):
+    """Node requirements that must all hold (the terms of a list are ORed)."""
+
+    match_expressions: list[SelectorRequirement] = Field(default_factory=list, description="On node labels.")
+    match_fields: list[SelectorRequirement] = Field(default_factory=list, description="On node fields.")
+
+
+class PreferredNodeTerm(_Kube):
+    """A weighted node preference."""
+
+    weight: int = Field(..., ge=1, le=100, description="Added to a node's score when the term matches.")
+    preference: NodeSelectorTerm = Field(..., description="The node requirements preferred.")
+
+
+class NodeSelector(_Kube):
+    """Hard node requirements: a node must match one of the terms."""
+
+    node_selector_terms: list[NodeSelectorTerm] = Field(..., min_length=1, description="ORed terms.")
+
+
+class NodeAffinity(_Kube):
+    """Where pods may (required) and would rather (preferred) run."""
+
+    required_during_scheduling_ignored_during_execution: NodeSelector | None = Field(
+        None, description="Nodes a pod may be scheduled on."
+    )
+    preferred_during_scheduling_ignored_during_execution: list[PreferredNodeTerm] = Field(
+        default_factory=list, description="Weighted preferences among the allowed nodes."
+    )
+
+
+class LabelSelector(_Kube):
+    """A label selector over pods."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict, description="Exact label matches.")
+    match_expressions: list[SelectorRequirement] = Field(default_factory=list, description="Set-based requirements.")
+
+
+class PodAffinityTerm(_Kube):
+    """Pods matching the selector, within the same topology domain."""
+
+    label_selector: LabelSelector = Field(..., description="Which pods.")
+    topology_key: str = Field(..., description="Node label that defines the domain, e.g. topology.kubernetes.io/zone.")
+    namespaces: list[str] = Field(default_factory=list, description="Namespaces to look in; empty: the pod's own.")
+
+
+class WeightedPodAffinityTerm(_Kube):
+    """A weighted pod (anti-)affinity preference."""
+
+    weight: int = Field(..., ge=1, le=100, description="Added to a node's score when the term matches.")
+    pod_affinity_term: PodAffinityTerm = Field(..., description="The term preferred.")
+
+
+class PodAffinity(_Kube):
+    """Co-location (or, as anti-affinity, separation) from other pods."""
+
+    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(
+        default_factory=list, description="Terms that must hold."
+    )
+    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
+        default_factory=list, description="Weighted preferences."
+    )
+
+
+class Affinity(_Kube):
+    """core/v1 Affinity, typed: node affinity and pod (anti-)affinity."""
+
+    node_affinity: NodeAffinity | None = Field(None, description="Constraints on the node.")
+    pod_affinity: PodAffinity | None = Field(None, description="Run near these pods.")
+    pod_anti_affinity: PodAffinity | None = Field(None, description="Run away from these pods.")
+
+
+class SecretRef(_Kube):
+    """Credentials held in a Kubernetes Secret of the job's namespace; manifests carry only its name."""
+
+    name: str = Field(..., pattern=_DNS_SUBDOMAIN, description="The Secret's name.")
+    keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variable -> key in the Secret (secretKeyRef each). Empty: every key of the Secret "
+        "becomes a variable of the same name (envFrom).",
+    )
+
+    @field_validator("keys")
+    @classmethod
+    def _env_names(cls, keys: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in keys if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+        if bad:
+            raise ValueError(f"not environment variable names: {', '.join(bad)}")
+        return keys
+
+
+class CacheVolume(_Kube):
+    """A volume for Streaming's local shard cache, mounted at infra.manifests.CACHE_DIR."""
+
+    size: str = Field("100Gi", pattern=_QUANTITY, description="Size limit of the emptyDir (ignored for a claim).")
+    claim_name: str | None = Field(
+        None,
+        pattern=_DNS_SUBDOMAIN,
+        description="An existing PersistentVolumeClaim to use instead of an emptyDir (kept across restarts; "
+        "ReadWriteMany if several nodes share it).",
+    )
+
+
+class KubernetesConfig(_Kube):
+    """`compute.kubernetes`: the pods a stage trains in, and how failures are handled (docs/KUBERNETES.md)."""
+
+    image: str = Field(..., min_length=1, description="Training image built from infra/Dockerfile (tag or digest).")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
+        "IfNotPresent", description="Kubelet image pull policy."
+    )
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets for a private registry.")
+    namespace: str = Field("default", pattern=_DNS_LABEL, description="Namespace of every object tessera creates.")
+    api: Literal["jobset", "indexed-job"] = Field(
+        "jobset",
+        description="jobset: a JobSet (needs the JobSet controller), restarts done by the controller. indexed-job: "
+        "an Indexed Job plus a headless Service, for clusters without operators; tessera deletes and recreates the "
+        "group itself.",
+    )
+    nodes: PositiveInt = Field(1, description="Pods (one per node) the stage trains on.")
+    gpus_per_node: int = Field(
+        0, ge=0, description="GPUs each pod requests; one rank per GPU. 0: a CPU pod with compute.procs_per_node ranks."
+    )
+    gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name of a GPU.")
+    cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU each training pod requests, e.g. '64'.")
+    memory: str | None = Field(None, pattern=_QUANTITY, description="Memory each training pod requests and is limited to.")
+    shm_size: str = Field("64Gi", pattern=_QUANTITY, description="Size of the in-memory /dev/shm (dataloaders, NCCL).")
+    scratch_size: str = Field(
+        "200Gi", pattern=_QUANTITY, description="emptyDir for the trainer's local checkpoint working copy."
+    )
+    cache: CacheVolume | None = Field(None, description="Volume for Streaming's local cache; null: none mounted.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels a pod requires.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
+    affinity: Affinity | None = Field(None, description="Node and pod (anti-)affinity.")
+    priority_class_name: str | None = Field(None, description="PriorityClass of the pods (preemption order).")
+    service_account_name: str | None = Field(None, description="Service account of the training and eval pods.")
+    queue_name: str | None = Field(
+        None,
+        pattern=_DNS_SUBDOMAIN,
+        description="Kueue LocalQueue: labels the JobSet kueue.x-k8s.io/queue-name, so Kueue admits the whole group "
+        "at once (gang admission). Null: no Kueue.",
+    )
+    master_port: int = Field(29500, ge=1024, le=65535, description="Port of the rendezvous store on pod 0.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Whole-group restarts in the cluster after an application failure (JobSet "
+        "failurePolicy.maxRestarts; the indexed-job launcher counts the same). Evictions and preemptions do not count "
+        "here but against compute.max_preemptions.",
+    )
+    pending_timeout_s: float = Field(
+        900.0, gt=0, description="A pod unscheduled this long fails the stage with the scheduler's reason."
+    )
+    image_pull_timeout_s: float = Field(
+        600.0, gt=0, description="A pod in ImagePullBackOff/ErrImagePull this long fails the attempt (retryable)."
+    )
+    s3_credentials: SecretRef | None = Field(
+        None, description="Secret with the S3 credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)."
+    )
+    mlflow_credentials: SecretRef | None = Field(
+        None, description="Secret with the MLflow credentials (MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN)."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Plain environment of every pod (AWS_ENDPOINT_URL, NCCL_* ...). Credentials are refused here: "
+        "use s3_credentials / mlflow_credentials.",
+    )
+    eval_gpus: int = Field(1, ge=0, description="GPUs of each checkpoint's evaluation pod.")
+    eval_cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU each evaluation pod requests.")
+    eval_memory: str | None = Field(None, pattern=_QUANTITY, description="Memory of each evaluation pod.")
+    eval_concurrency: PositiveInt = Field(
+        2, description="Evaluation pods running at once (a Prefect global concurrency limit)."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _no_inline_secrets(cls, env: dict[str, str]) -> dict[str, str]:
+        leaked = sorted(k for k in env if _SECRET_LIKE.search(k))
+        if leaked:
+            raise ValueError(f"{', '.join(leaked)}: credentials go in a Secret (s3_credentials / mlflow_credentials)")
+        return env
 
 
 class ComputeConfig(BaseModel):
-    """Compute backend. `local` runs the trainer as processes on this machine via Composer's launcher."""
+    """Compute backend. `local` runs the trainer as processes on this machine via Composer's launcher;
+    `kubernetes` runs it as a JobSet (or an Indexed Job) of pods, described by `kubernetes`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["local"] = Field("local", description="Where training runs.")
-    procs_per_node: PositiveInt = Field(1, description="Training processes (ranks) per node.")
-    max_restarts: int = Field(2, ge=0, description="Relaunches of a failed training job before the stage fails.")
+    backend: Backend = Field("local", description="Where training runs.")
+    procs_per_node: PositiveInt = Field(
+        1, description="Training processes (ranks) per node. On Kubernetes GPU pods the ranks follow gpus_per_node."
+    )
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="Relaunches of a stage after an application failure (the trainer's retryable exit 75, or an "
+        "unexpected crash) before the stage fails. Small: the same bug tends to fail the same way.",
+    )
+    max_preemptions: int = Field(
+        100,
+        ge=0,
+        description="Relaunches of a stage after it was stopped from outside (a signal: preemption, eviction, a lost "
+        "node, an OOM kill; or the trainer's exit 76 after SIGTERM) before the stage fails. Large: these say "
+        "nothing about the run itself.",
+    )
+    kubernetes: KubernetesConfig | None = Field(
+        None, validate_default=True, description="Pods, image and failure policy; required with backend kubernetes."
+    )
+
+    @field_validator("kubernetes")
+    @classmethod
+    def _section_for_backend(cls, section: KubernetesConfig | None, info: ValidationInfo) -> KubernetesConfig | None:
+        backend = info.data.get("backend")
+        if backend == "kubernetes" and section is None:
+            raise ValueError("required with compute.backend: kubernetes (image, nodes, gpus_per_node, ...)")
+        if backend == "kubernetes" and section.gpus_per_node and info.data.get("procs_per_node", 1) not in (
+            1, section.gpus_per_node):  # fmt: skip
+            raise ValueError(f"gpus_per_node ({section.gpus_per_node}) sets the ranks of a GPU pod (one per GPU); "
+                             f"compute.procs_per_node ({info.data['procs_per_node']}) disagrees")  # fmt: skip
+        return section
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Processes per node: one per GPU on Kubernetes GPU pods, else procs_per_node."""
+        if self.backend == "kubernetes" and self.kubernetes is not None and self.kubernetes.gpus_per_node:
+            return self.kubernetes.gpus_per_node
+        return self.procs_per_node

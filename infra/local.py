@@ -1,13 +1,14 @@
 """The `local` compute backend: a training command as N processes on this machine.
 
 Composer's launcher starts the ranks and sets RANK/WORLD_SIZE/MASTER_*; on CPU the trainer
-uses gloo. Each job runs in its own process group so cancelling it stops every rank.
+uses gloo. Each job runs in its own process group so cancelling it stops every rank. Being its
+own session, a job would also survive the death of the process that launched it: the job's
+environment names that process in TESSERA_SUPERVISOR_PID, and the trainer stops when it is gone.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.config import ComputeConfig
+from infra.joblog import JobLog
+from infra.lifecycle import forget, launching
+from infra.ranks import first_crash
+
+# Read by trainers/supervisor.py; spelled out here because infra never imports trainers.
+SUPERVISOR_ENV = "TESSERA_SUPERVISOR_PID"
 
 
 def _signal_group(group: int, sig: int) -> bool:
@@ -35,6 +42,16 @@ class LocalJob:
     process: subprocess.Popen
     log_path: Path
     log_offset: int = 0  # where this launch's output starts in the (appended) log
+    stopped: bool = False  # cancelled by its owner (cancel_all), not lost to the outside world
+    # Stops from outside that the job absorbed by restarting itself; a local job restarts nothing.
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self._log = JobLog(self.log_path, self.log_offset)
+
+    def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
+        """Complete lines of rank 0's output written since the last call (this launch's only)."""
+        return self._log.new_lines(max_bytes)
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -60,8 +77,7 @@ class LocalJob:
                 text = f.read().decode(errors="replace")
         except FileNotFoundError:
             return None
-        match = re.search(r"Rank \d+ crashed with exit code (-?\d+)", text)
-        return int(match[1]) if match else None
+        return first_crash(text)
 
     def cancel(self, grace_s: float = 10.0) -> None:
         """SIGTERM the job's whole process group, then SIGKILL whatever is left after grace_s.
@@ -76,16 +92,11 @@ class LocalJob:
                 time.sleep(0.1)
             _signal_group(group, signal.SIGKILL)
         self.process.wait()
-        _LIVE.discard(self)
+        forget(self)
 
     def tail(self, lines: int = 20, max_bytes: int = 64 * 1024) -> str:
-        """The last lines of the rank-0 log (reads only its end: logs of long runs are large)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
-                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        """The last lines of this launch's rank-0 log (reads only its end: logs of long runs are large)."""
+        return self._log.tail(lines, max_bytes)
 
 
 class LocalBackend:
@@ -97,7 +108,7 @@ class LocalBackend:
     def command(self, module: str, args: Sequence[str], log_dir: Path) -> list[str]:
         return [
             sys.executable, "-m", "composer.cli.launcher",
-            "-n", str(self.cfg.procs_per_node),
+            "-n", str(self.cfg.ranks_per_node),
             # rank 0 goes to the job log; other ranks get their own files instead of being discarded
             "--stdout", str(log_dir / "rank{rank}.stdout.log"),
             "--stderr", str(log_dir / "rank{rank}.stderr.log"),
@@ -110,33 +121,15 @@ class LocalBackend:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / "rank0.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                self.command(module, args, log_dir),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                start_new_session=True,
-            )
-        job = LocalJob(process=process, log_path=log_path, log_offset=offset)
-        _LIVE.add(job)
+        with launching() as live:
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen(
+                    self.command(module, args, log_dir),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: str(os.getpid()), **(env or {})},
+                    start_new_session=True,
+                )
+            job = LocalJob(process=process, log_path=log_path, log_offset=offset)
+            live.add(job)
         return job
-
-
-# Jobs started by this process and not yet cancelled: a dying flow must not leave trainers behind.
-_LIVE: set[LocalJob] = set()
-
-
-def cancel_all(grace_s: float = 10.0) -> int:
-    """Cancel every job this process launched that may still run; returns how many were cancelled."""
-    jobs = list(_LIVE)
-    for job in jobs:
-        job.cancel(grace_s)
-    return len(jobs)
-
-
-def backend_for(cfg: ComputeConfig) -> LocalBackend:
-    """The backend a recipe's compute section names."""
-    if cfg.backend == "local":
-        return LocalBackend(cfg)
-    raise ValueError(f"compute.backend: unsupported backend {cfg.backend!r}")

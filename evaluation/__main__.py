@@ -1,0 +1,128 @@
+"""Container entrypoint of a checkpoint's evaluation pod, free of Prefect:
+
+    python -m evaluation --checkpoint s3://bucket/prefix/run/tiny-s0-tok16384-rank0.pt \
+        --tasks configs/gauntlet/tiny_tasks.yaml --gauntlet configs/gauntlet/tiny_gauntlet.yaml \
+        --data-root data/gauntlet --context-len 128 --strict \
+        --tracking-uri http://mlflow:5000 --run-id RUN_ID --step 16384 --stage literary
+
+Scores the checkpoint on the gauntlet (on the GPU when there is one) and logs to the training run
+what tasks/evaluate.py logs in-process: the metrics with step = tokens, the per-task table and the
+JSON and HTML reports. Its last line is `tessera.eval {json}`, the summary the flow's evaluate
+task reads back from the pod's log to make its artifact and the register task's input.
+
+Exit codes: 0 done; 78 bad gauntlet input (a retry would fail the same way); 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUMMARY_PREFIX = "tessera.eval"
+EXIT_BAD_INPUT = 78
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="Composer checkpoint (path or s3:// URI), HF dir or models:/ URI.")
+    p.add_argument("--tasks", required=True, help="ICL task list YAML (Mosaic Eval Gauntlet format).")
+    p.add_argument("--gauntlet", default=None, help="Gauntlet YAML (categories, weighting, averages).")
+    p.add_argument("--data-root", default=".", help="Root each task's dataset_uri resolves against (local or s3://).")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=None, help="The gauntlet's max_seq_len setting (eval.max_seq_len).")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="Left-truncate contexts to this many tokens (default: --max-seq-len, else the model's).")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--strict", action="store_true", help="A missing task file is an error.")
+    p.add_argument("--tracking-uri", required=True, help="MLflow tracking URI of the training run.")
+    p.add_argument("--run-id", required=True, help="The training run to log into.")
+    p.add_argument("--step", required=True, type=int, help="Tokens seen by the checkpoint (the MLflow step).")
+    p.add_argument("--stage", default="", help="Curriculum stage that produced the checkpoint (for the title).")
+    p.add_argument("--timestamp-ms", type=int, default=None,
+                   help="Timestamp of every metric point; the same value on a retry adds no duplicate points.")
+    p.add_argument("--package-to", default=None,
+                   help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
+                   "for registration by reference.")
+    return p.parse_args(argv)
+
+
+def _local_checkpoint(spec: str, into: Path) -> str:
+    """An s3:// checkpoint is downloaded first (the loaders read local files); anything else as given."""
+    if not spec.startswith("s3://"):
+        return spec
+    import boto3
+
+    bucket, _, key = spec[len("s3://") :].partition("/")
+    local = into / Path(key).name
+    boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None).download_file(bucket, key, str(local))
+    return str(local)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from evaluation.config import EvalConfig
+    from evaluation.errors import GauntletError
+    from evaluation.identity import gauntlet_hash
+    from evaluation.models import load_model
+    from evaluation.runner import run_gauntlet
+    from evaluation.tracking import log_report
+
+    cfg = EvalConfig(every=max(1, args.step), tasks=args.tasks, gauntlet=args.gauntlet, data_root=args.data_root,
+                     batch_size=args.batch_size, max_seq_len=args.max_seq_len, seed=args.seed, strict=args.strict)  # fmt: skip
+    title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
+    try:
+        with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
+            loaded = load_model(_local_checkpoint(args.checkpoint, Path(tmp)), args.tracking_uri)
+            model = loaded.model
+            import torch
+
+            if torch.cuda.is_available():
+                model = model.to("cuda")
+            report = run_gauntlet(model, loaded.tokenizer, cfg,
+                                  args.context_len or args.max_seq_len or loaded.max_seq_len)
+            model_uri = _package(loaded.model, loaded.tokenizer, args, Path(tmp)) if args.package_to else None
+        stamp = args.timestamp_ms if args.timestamp_ms is not None else int(time.time() * 1000)
+        paths = log_report(args.tracking_uri, args.run_id, report, step=args.step, title=title, timestamp_ms=stamp)
+    except GauntletError as exc:
+        print(f"tessera.eval: bad input: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    summary = {
+        "tokens": args.step, "checkpoint": args.checkpoint, "average": report.average, "headline": report.headline,
+        "gauntlet_hash": gauntlet_hash(cfg), "metrics": report.metrics(), "report_json": paths.json,
+        "report_html": paths.html, "table": paths.table, "markdown": report.to_markdown(title),
+        "examples": report.examples, "seconds": report.seconds, "model_uri": model_uri,
+    }  # fmt: skip
+    print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
+    return 0
+
+
+def _package(model, tokenizer, args: argparse.Namespace, tmp: Path) -> str:
+    """The loaded model as an MLflow Model, uploaded beside its checkpoint: registration never loads it again."""
+    from trainers.mlflow_model import publish, save_mlflow_model
+
+    hf_dir = tmp / "hf"
+    model.to("cpu").save_pretrained(hf_dir, safe_serialization=True)
+    tokenizer.save_pretrained(hf_dir)
+    card = f"# tessera checkpoint\n\nStage {args.stage or '?'}, after {args.step:,} tokens (run {args.run_id})."
+    return publish(save_mlflow_model(hf_dir, tmp / "mlflow-model", card), args.package_to)
+
+
+def parse_summary(line: str) -> dict | None:
+    """The summary of a `tessera.eval {json}` line, or None for any other line."""
+    text = line.strip()
+    if not text.startswith(SUMMARY_PREFIX + " "):
+        return None
+    try:
+        summary = json.loads(text[len(SUMMARY_PREFIX) + 1 :])
+    except ValueError:
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""What `tessera k8s render` and `tessera k8s status` print: the manifests of a stage, the live objects of a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from infra.config import ComputeConfig
+from infra.kube_api import Kube
+from infra.kube_outcome import condition
+from infra.manifests import (
+    JOB_DIR,
+    JOB_FILE,
+    LABEL_ATTEMPT,
+    LABEL_COMPONENT,
+    LABEL_NAME,
+    LABEL_RUN,
+    LABEL_STAGE,
+    Workload,
+    label_value,
+    selector_string,
+    stage_manifests,
+)
+
+
+def render_stage(compute: ComputeConfig, job_file: Path, stage: int, attempt: int = 0,
+                 env: dict[str, str] | None = None) -> str:  # fmt: skip
+    """The objects a launch of stage `stage` creates, as multi-document YAML for review or `kubectl apply -f -`."""
+    job_json = job_file.read_text()
+    run = json.loads(job_json)["run_name"]
+    work = Workload(run, "train", stage=stage, attempt=attempt)
+    args = ["--job", f"{JOB_DIR}/{JOB_FILE}", "--stage", str(stage)]
+    objects = stage_manifests(compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json,
+                              env or {})  # fmt: skip
+    return yaml.safe_dump_all(objects, sort_keys=False, width=120)
+
+
+def _state(kind: str, obj: dict) -> str:
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return "Terminating"
+    if kind == "Pod":
+        for c in status.get("containerStatuses") or []:
+            state = c.get("state") or {}
+            if "waiting" in state and state["waiting"].get("reason") not in (None, "ContainerCreating"):
+                return state["waiting"]["reason"]
+            if "terminated" in state:
+                return f"{status.get('phase')} (exit {state['terminated'].get('exitCode')}, " \
+                       f"{state['terminated'].get('reason', '')})"
+        return status.get("phase", "?")
+    for ctype in ("Completed", "Complete", "Failed", "Suspended"):
+        cond = condition(obj, ctype)
+        if cond:
+            return f"{ctype} ({cond.get('reason', '')})"
+    if kind == "JobSet":
+        return f"Running (restarts {status.get('restarts', 0)}, {status.get('restartsCountTowardsMax', 0)} counted)"
+    if kind == "Job":
+        return f"Running ({status.get('active', 0)} active, {status.get('failed', 0)} failed)"
+    return "-"
+
+
+def run_status(kube: Kube, run: str) -> str:
+    """One line per live object tessera created for `run` in the namespace, groups first."""
+    selector = selector_string({LABEL_NAME: "tessera", LABEL_RUN: label_value(run)})
+    rows = [("KIND", "NAME", "COMPONENT", "STAGE", "ATTEMPT", "STATE", "CREATED")]
+    for kind in ("JobSet", "Job", "Pod", "Service", "ConfigMap"):
+        for obj in sorted(kube.list(kind, selector), key=lambda o: o["metadata"]["name"]):
+            labels = obj["metadata"].get("labels") or {}
+            rows.append((kind, obj["metadata"]["name"], labels.get(LABEL_COMPONENT, ""), labels.get(LABEL_STAGE, ""),
+                         labels.get(LABEL_ATTEMPT, ""), _state(kind, obj),
+                         obj["metadata"].get("creationTimestamp", "")))  # fmt: skip
+    if len(rows) == 1:
+        return f"no live objects of run {run} in namespace {kube.namespace}"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,73 @@
+"""`tessera k8s render` prints the manifests the launcher would create; `tessera k8s status` lists a run's objects."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from flows.cli import main
+from infra.kubernetes import KubernetesBackend
+from tests.conftest import ROOT
+from tests.k8s.fake_apiserver import FakeApiServer
+from tests.k8s.variants import GPU_KUEUE, compute, job_json
+
+
+def _recipe(tmp_path, compute_section: dict) -> str:
+    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw["work_dir"] = str(tmp_path / "work")
+    raw["data"]["root"] = "s3://tessera-data/prepared"
+    raw["train"]["save_folder"] = "s3://tessera-ckpt/runs"
+    raw["tracking"]["tracking_uri"] = "http://mlflow.tessera.svc:5000"
+    raw["compute"] = compute_section
+    path = tmp_path / "k8s.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_render_prints_valid_manifests_of_the_stage(tmp_path, capsys):
+    recipe = _recipe(tmp_path, GPU_KUEUE)
+    assert main(["k8s", "render", recipe, "--stage", "1"]) == 2  # no job file yet: one line saying so
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tessera: error: ") and "runs/tiny/job.json: no job file; `tessera run` writes it" in err
+    job = tmp_path / "work" / "runs" / "tiny" / "job.json"
+    job.parent.mkdir(parents=True)
+    job.write_text(job_json("tiny"))
+    assert main(["k8s", "render", recipe, "--stage", "1", "--attempt", "2"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [("ConfigMap", "tessera-tiny-s1-a2"),
+                                                                  ("JobSet", "tessera-tiny-s1-a2")]  # fmt: skip
+    assert docs[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert json.loads(docs[0]["data"]["job.json"])["save_folder"] == "/var/tessera/work/checkpoints"
+    kubernetes_validate.validate(docs[0], kubernetes_validate.latest_version(), strict=True)
+    assert main(["k8s", "render", recipe, "--stage", "7"]) == 2
+    assert "--stage: 7 is not a stage of" in capsys.readouterr().err
+
+
+def test_render_refuses_a_local_recipe(capsys):
+    assert main(["k8s", "render", str(ROOT / "configs" / "tiny.yaml"), "--stage", "0"]) == 2
+    assert "compute.backend: is 'local'; `tessera k8s` needs kubernetes" in capsys.readouterr().err
+
+
+def test_status_lists_the_live_objects_of_a_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with FakeApiServer() as server:
+        monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig(tmp_path / "kubeconfig")))
+        (tmp_path / "job.json").write_text(job_json("tiny"))
+        job = KubernetesBackend(compute(GPU_KUEUE)).launch(
+            "trainers.train", ["--job", str(tmp_path / "job.json"), "--stage", "0"], log_dir=tmp_path / "logs")
+        server.cluster.start_pods(server.cluster.wait_for("JobSet"))
+        assert main(["k8s", "status", "tiny", "--namespace", "training"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split() == ["KIND", "NAME", "COMPONENT", "STAGE", "ATTEMPT", "STATE", "CREATED"]
+        assert out[1].split()[:6] == ["JobSet", "tessera-tiny-s0-a0", "train", "0", "0", "Running"]
+        assert [line.split()[0] for line in out[1:]] == ["JobSet", "Pod", "Pod", "ConfigMap"]
+        assert "Running" in out[2]
+        job.cancel(grace_s=1)
+        assert main(["k8s", "status", "tiny", "--namespace", "training"]) == 0
+        assert capsys.readouterr().out.strip() == "no live objects of run tiny in namespace training"
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    assert main(["k8s", "status", "tiny"]) == 1
+    assert "no Kubernetes API to talk to" in capsys.readouterr().err

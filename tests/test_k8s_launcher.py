@@ -1,0 +1,369 @@
+"""The Kubernetes launcher's control logic, against a local server that speaks the API's JSON.
+
+The launcher runs unchanged: the official client, configured by a kubeconfig, talks HTTP to
+tests/k8s/fake_apiserver.py. Each test plays the cluster's part (the JobSet/Job controllers, the
+scheduler, the kubelet) in a thread and checks what the launcher reported and left behind.
+No real cluster runs here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infra import allow_launches, cancel_all
+from infra.lifecycle import forget
+from infra.kubernetes import KubernetesBackend, KubernetesJob
+from infra.manifests import SUPERVISOR_ENV
+from tests.k8s.fake_apiserver import FakeApiServer
+from tests.k8s.variants import CPU_ONE_NODE, GPU_TWO_NODES, INDEXED_JOB, compute, job_json
+
+PROGRESS = ('tessera.progress {"stage":"s0","stage_index":0,"step":4,"tokens":4096,"stage_start":0,'
+            '"stage_end":8192,"loss":3.5,"tokens_per_sec":1000.0,"elapsed_s":4.0}\n')
+
+
+@pytest.fixture()
+def api(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(KubernetesJob, "watch_s", 1)
+    monkeypatch.setattr(KubernetesJob, "delete_wait_s", 15.0)
+    with FakeApiServer() as server:
+        monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig(tmp_path / "kubeconfig")))
+        yield server
+        cancel_all(grace_s=0)  # a test that failed half-way leaves no job to the next one
+    allow_launches()
+
+
+def settle() -> None:
+    """Give the launcher time to look (a watch round is 1 s here); a real cluster moves slower than a test."""
+    time.sleep(2.5)
+
+
+class Cluster(threading.Thread):
+    """Runs a scenario (the cluster's side) beside the launcher; re-raises its assertion in join()."""
+
+    def __init__(self, scenario, cluster):
+        super().__init__(daemon=True)
+        self.scenario, self.cluster, self.error = scenario, cluster, None
+
+    def run(self):
+        try:
+            self.scenario(self.cluster)
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+    def join(self, timeout=30):
+        super().join(timeout)
+        if self.error:
+            raise self.error
+
+
+def _launch(tmp_path, raw, stage=0, run="tiny"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job_file = tmp_path / f"job-{run}.json"
+    job_file.write_text(job_json(run))
+    backend = KubernetesBackend(compute(raw))
+    return backend.launch("trainers.train", ["--job", str(job_file), "--stage", str(stage)], log_dir=tmp_path / "logs",
+                          env={"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: "1"})  # fmt: skip
+
+
+def _end(job, api) -> str:
+    """Cleanup as the training task does (cancel after the end); returns the log's last line."""
+    job.cancel(grace_s=1)
+    assert api.cluster.names() == []  # nothing left behind
+    return job.tail().splitlines()[-1]
+
+
+def test_success_streams_pod0_and_deletes_everything(api, tmp_path):
+    c = api.cluster
+
+    def scenario(c):
+        js = c.wait_for("JobSet", "tessera-tiny-s0-a0")
+        pods = c.start_pods(js)
+        c.log(pods[0], "starting\n" + PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", js["metadata"]["name"], "Completed", "AllJobsCompleted", "jobset completed successfully")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, CPU_ONE_NODE)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    lines = job.new_output()
+    assert PROGRESS.strip() in lines and "starting" in lines
+    assert _end(job, api) == "tessera.k8s: JobSet tessera-tiny-s0-a0 completed"
+    assert ("JobSet", "tessera-tiny-s0-a0", "Foreground") in c.deletes
+    assert ("ConfigMap", "tessera-tiny-s0-a0", "Foreground") in c.deletes
+    # the ConfigMap carried the job file to the pods, with the pod's own checkpoint folder
+    assert c.creates == [("ConfigMap", "tessera-tiny-s0-a0"), ("JobSet", "tessera-tiny-s0-a0")]
+
+
+def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):
+    c = api.cluster
+    name = "tessera-tiny-s0-a0"
+
+    def scenario(c):
+        js = c.wait_for("JobSet", name)
+        pods = c.start_pods(js)
+        c.log(pods[0], "first attempt\n")
+        c.evict(pods[1])  # DisruptionTarget, then the trainer's 76 on SIGTERM
+        settle()
+        c.terminate(pods[0], 76)  # the JobSet controller tears the rest of the group down
+        for p in pods:
+            c.remove("Pod", p, "training")
+        c.set_status("JobSet", name, restarts=1, restartsCountTowardsMax=0)  # RestartJobSetAndIgnoreMaxRestarts
+        pods = c.start_pods(c.get("JobSet", name))
+        c.log(pods[0], "second attempt\n" + PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", name, "Completed", "AllJobsCompleted", "jobset completed successfully")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    assert job.preemptions == 1 and job.restarts == 0
+    text = job.tail()
+    assert "first attempt" in text and "second attempt" in text
+    assert (f"tessera.k8s: JobSet {name} restarted the whole group (restart 1: 0 of max_restarts=4 counted, "
+            "1 disruptions); pod tessera-tiny-s0-a0-node-0-1-") in text
+    assert "was disrupted (EvictionByEvictionAPI: Eviction API: evicting)" in text
+    assert _end(job, api) == f"tessera.k8s: JobSet {name} completed"
+    assert [k for k, _ in c.creates] == ["ConfigMap", "JobSet"]  # the controller restarted it, not the launcher
+
+
+def test_fatal_exit_78_ends_at_once_with_the_failing_pods_lines(api, tmp_path):
+    c = api.cluster
+
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("JobSet"))
+        c.log(pods[1], "tessera.train: fatal: stage 'literary' was edited after training on it\n")
+        c.terminate(pods[1], 78)
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert job.wait(timeout=60) == 78
+    sim.join()
+    text = job.tail()
+    assert "tessera.k8s: last lines of pod tessera-tiny-s0-a0-node-0-1-" in text
+    assert "tessera.train: fatal: stage 'literary' was edited after training on it" in text
+    last = _end(job, api)
+    assert last.startswith("tessera.k8s: JobSet tessera-tiny-s0-a0 failed: pod tessera-tiny-s0-a0-node-0-1-")
+    assert last.endswith(": the trainer exited 78 (fatal)")
+
+
+def test_oomkilled_is_fatal_and_names_the_memory_limit(api, tmp_path):
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("JobSet"))
+        c.terminate(pods[0], 137, reason="OOMKilled")
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, CPU_ONE_NODE)
+    assert job.wait(timeout=60) == 78
+    sim.join()
+    assert "container trainer was OOMKilled (memory limit 16Gi); raise compute.kubernetes.memory" in _end(job, api)
+
+
+def test_stuck_pending_fails_with_the_schedulers_reason(api, tmp_path):
+    raw = {**GPU_TWO_NODES, "kubernetes": {**GPU_TWO_NODES["kubernetes"], "pending_timeout_s": 2}}
+    message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available."
+
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("JobSet"), phase="Pending")
+        for p in pods:
+            c.set_pod_status(p, conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                             "message": "0/4 nodes are available"}])  # fmt: skip
+            c.event(p, "FailedScheduling", message)
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, raw)
+    assert job.wait(timeout=60) == 78
+    sim.join()
+    last = _end(job, api)
+    assert "unschedulable for 2s (compute.kubernetes.pending_timeout_s): " + message in last
+
+
+def test_cancellation_mid_run_deletes_everything(api, tmp_path):
+    c = api.cluster
+    started = threading.Event()
+
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("JobSet"))
+        c.log(pods[0], PROGRESS)
+        started.set()
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert started.wait(30)
+    sim.join()
+    assert job.poll() is None
+    assert cancel_all(grace_s=1) == 1  # what a failing or cancelled flow calls
+    assert job.stopped and job.poll() == 76
+    assert c.names() == []
+    assert {(k, p) for k, _, p in c.deletes} == {("JobSet", "Foreground"), ("ConfigMap", "Foreground")}
+
+
+def test_relaunched_task_reattaches_instead_of_creating_a_second_jobset(api, tmp_path):
+    c = api.cluster
+    name = "tessera-tiny-s0-a0"
+    running = threading.Event()
+    finish = threading.Event()
+
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("JobSet", name))
+        c.log(pods[0], "before the flow pod was evicted\n")
+        running.set()
+        assert finish.wait(30)
+        c.log(pods[0], "after\n" + PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", name, "Completed", "AllJobsCompleted", "jobset completed successfully")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    first = _launch(tmp_path / "flow-1", GPU_TWO_NODES)
+    assert running.wait(30)
+    first._stop.set()  # the first flow process dies: it never cleans up
+    second = _launch(tmp_path / "flow-2", GPU_TWO_NODES)  # the rescheduled flow run's task
+    assert not second.created
+    finish.set()
+    assert second.wait(timeout=60) == 0
+    sim.join()
+    assert [k for k, _ in c.creates].count("JobSet") == 1
+    text = second.tail()
+    assert f"tessera.k8s: re-attached to the live JobSet {name} (attempt 0) instead of creating another" in text
+    assert "before the flow pod was evicted" in text and "after" in text
+    assert _end(second, api) == f"tessera.k8s: JobSet {name} completed"
+    forget(first)  # its process is gone; nothing of it is left to cancel
+
+
+def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
+    c = api.cluster
+    name = "tessera-tiny-s0-a0"
+    raw = {**INDEXED_JOB, "kubernetes": {**INDEXED_JOB["kubernetes"], "max_restarts": 1}}
+
+    def scenario(c):
+        job = c.wait_for("Job", name)
+        assert c.get("Service", name) is not None
+        pods = c.start_pods(job)
+        c.evict(pods[0])
+        settle()
+        c.set_condition("Job", name, "Failed", "PodFailurePolicy", f"Pod training/{pods[0]} has condition "
+                        "DisruptionTarget matching FailJob rule at index 1")  # fmt: skip
+        c.wait_gone("Job", name)
+        pods = c.start_pods(c.wait_for("Job", name, new_after=3))  # recreated by the launcher
+        c.log(pods[1], "Traceback ... RuntimeError: NCCL error\n")
+        c.terminate(pods[1], 75)
+        c.set_condition("Job", name, "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+        c.wait_gone("Job", name)
+        pods = c.start_pods(c.wait_for("Job", name, new_after=4))
+        c.log(pods[0], PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("Job", name, "Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, raw)
+    assert job.wait(timeout=90) == 0
+    sim.join()
+    assert (job.preemptions, job.restarts) == (1, 1)
+    assert [k for k, _ in c.creates] == ["ConfigMap", "Service", "Job", "Job", "Job"]
+    assert [d for d in c.deletes if d[0] == "Job"] == [("Job", name, "Foreground")] * 2
+    text = job.tail()
+    assert ("was disrupted (EvictionByEvictionAPI: Eviction API: evicting); deleting and recreating the whole group "
+            "(restart 0 of max_restarts=1, 1 disruptions)") in text
+    assert "exited 75; deleting and recreating the whole group (restart 1 of max_restarts=1, 1 disruptions)" in text
+    assert _end(job, api) == f"tessera.k8s: Job {name} completed"
+
+
+def test_indexed_job_gives_up_after_max_restarts(api, tmp_path):
+    name = "tessera-tiny-s0-a0"
+    raw = {**INDEXED_JOB, "kubernetes": {**INDEXED_JOB["kubernetes"], "max_restarts": 0}}
+
+    def scenario(c):
+        pods = c.start_pods(c.wait_for("Job", name))
+        c.terminate(pods[1], 75)
+        c.set_condition("Job", name, "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, raw)
+    assert job.wait(timeout=60) == 75  # failed: the task's Prefect retries take over
+    sim.join()
+    assert _end(job, api).endswith("container trainer exited 75")
+
+
+def test_jobset_restarts_exhausted_on_application_failures(api, tmp_path):
+    name = "tessera-tiny-s0-a0"
+
+    def scenario(c):
+        c.set_status("JobSet", c.wait_for("JobSet", name)["metadata"]["name"], restarts=4, restartsCountTowardsMax=4)
+        settle()
+        pods = c.start_pods(c.get("JobSet", name))  # the last attempt maxRestarts allows
+        c.terminate(pods[0], 1)
+        settle()
+        c.set_condition("JobSet", name, "Failed", "ReachedMaxRestarts", "jobset failed due to reaching max number of "
+                        "restarts")  # fmt: skip
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert job.wait(timeout=60) == 1  # failed: the task's Prefect retries take over
+    sim.join()
+    assert job.restarts == 4
+    assert "restarted the whole group (restart 4: 4 of max_restarts=4 counted, 0 disruptions)" in job.tail()
+    assert _end(job, api).endswith("container trainer exited 1")
+
+
+def test_evictions_past_max_preemptions_end_as_preempted(api, tmp_path):
+    name = "tessera-tiny-s0-a0"  # GPU_TWO_NODES allows compute.max_preemptions=5
+
+    def scenario(c):
+        c.start_pods(c.wait_for("JobSet", name))
+        c.set_status("JobSet", name, restarts=6, restartsCountTowardsMax=0)
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert job.wait(timeout=60) == 76
+    sim.join()
+    assert job.preemptions == 6
+    assert _end(job, api).endswith("restarts exhausted on evictions (6 > compute.max_preemptions=5)")
+
+
+def test_image_pull_backoff_past_its_timeout_is_retryable(api, tmp_path):
+    raw = {**CPU_ONE_NODE, "kubernetes": {**CPU_ONE_NODE["kubernetes"], "image_pull_timeout_s": 2}}
+
+    def scenario(c):
+        (pod,) = c.start_pods(c.wait_for("JobSet"), phase="Pending")
+        c.set_waiting(pod, "ImagePullBackOff", 'Back-off pulling image "registry.example.com/tessera/train:0.1.0"')
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    job = _launch(tmp_path, raw)
+    assert job.wait(timeout=60) == 75
+    sim.join()
+    assert "not pulled in 2s: ImagePullBackOff: Back-off pulling image" in _end(job, api)
+
+
+def test_a_refused_spec_or_a_missing_jobset_api_is_fatal_in_one_line(api, tmp_path):
+    c = api.cluster
+    c.refuse["JobSet"] = (404, "NotFound", "the server could not find the requested resource")
+    job = _launch(tmp_path, CPU_ONE_NODE)
+    assert job.wait(timeout=5) == 78
+    assert "the JobSet API (jobset.x-k8s.io/v1alpha2) is not installed in this cluster" in _end(job, api)
+    c.refuse["JobSet"] = (422, "Invalid", 'JobSet.jobset.x-k8s.io "x" is invalid: spec.replicatedJobs[0].name: '
+                                          "Invalid value")  # fmt: skip
+    job = _launch(tmp_path, CPU_ONE_NODE, run="other")
+    assert job.wait(timeout=5) == 78
+    assert _end(job, api).endswith("invalid spec: " + c.refuse["JobSet"][2])
