@@ -4,13 +4,24 @@ Builds a corpus of at least --mb MB by repeating and varying ../shared/data text
   1. the anchor: `Tokenizer.encode_batch` over the corpus's documents, on all cores (tokenizers'
      own thread pool), in ~1 MB batches so the Encodings do not pile up in memory; run before and
      after (2) and averaged, since other load on a shared machine drifts;
-  2. the `prepare_data` Prefect flow end to end (reading, tokenizing in a process pool, packing,
+  2. the `prepare_sources` Prefect flow end to end (reading, tokenizing in a process pool, packing,
      MDS writing, merging, provenance), timed after a warm-up run on a tiny corpus that pays the
      fixed start-up (Prefect's temporary API server, imports, spawning the pool), reported apart.
 Prints `ratio` = (2)/(1) and the peak RSS of the prepare stage (parent plus its children, sampled).
+
+The small-corpus case (`--case small`, also part of the default `all`) is what a user of
+`tessera prepare` pays on a few small sources, where fixed costs dwarf the work: the real CLI runs
+twice in fresh processes, on 1 and on 4 sources of ~150 kB (after an untimed warm-up run that
+creates Prefect's database), and a probe times Prefect's temporary server start-up alone (a
+per-process cost, reported apart). Its anchor is raw
+`encode_batch` over the same documents, in the same run:
+  first_source_overhead_s = wall(1 source) - wall(a rerun with nothing to do) - tokenizing it
+  per_source_overhead_s   = (wall(4) - wall(1) - tokenizing the 3 more) / 3
+The rerun with nothing to do is the per-process cost (interpreter, imports, Prefect's server and
+flow engine), not a per-source one.
 The last line printed is one JSON object.
 
-    .venv/bin/python bench/tokenize.py [--mb 52] [--seq-len 2048] [--workers N]
+    .venv/bin/python bench/tokenize.py [--case all|large|small] [--mb 52] [--seq-len 2048] [--workers N]
 """
 # ruff: noqa: E402  (stdlib imports must follow the sys.path fix below)
 
@@ -28,6 +39,7 @@ import os
 import random
 import resource
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -143,8 +155,99 @@ def config(root: Path, paths: list[str], seq_len: int, workers: int | None):
     })
 
 
+SMALL_SOURCES = 4
+SMALL_BYTES = 150_000
+REPEAT = 3
+SERVER_PROBE = """
+import time
+from flows.runtime import quiet_environment
+quiet_environment()
+from prefect.server.api.server import SubprocessASGIServer
+server = SubprocessASGIServer()
+t0 = time.perf_counter()
+server.start(timeout=180)
+print(time.perf_counter() - t0)
+server.stop()
+"""
+
+
+def small_recipe(work: Path, paths: list[Path], name: str) -> Path:
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    recipe["name"] = name
+    recipe["work_dir"] = str(work / "tessera")  # shared by every run: one migrated Prefect database
+    recipe["data"]["root"] = str(work / f"data-{name}")
+    recipe["data"]["tokenizer"]["path"] = str(TOKENIZER)
+    recipe["data"]["sources"] = [{"name": p.stem, "paths": [str(p)], "separator": "\n\n"} for p in paths]
+    recipe["train"]["stages"] = [{"name": "all", "tokens": 32768, "mixture": {paths[0].stem: 1.0}}]
+    for key in ("tasks", "gauntlet", "data_root"):
+        recipe["eval"][key] = str(ROOT / recipe["eval"][key])
+    recipe["tracking"]["tracking_uri"] = f"sqlite:///{work / 'mlflow.db'}"
+    recipe["tracking"].pop("artifact_location", None)
+    out = work / f"{name}.yaml"
+    out.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return out
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return seconds, done.stdout
+
+
+def small_case(work: Path) -> dict:
+    """Per-source overhead of the real `tessera prepare` on small sources, against raw tokenization."""
+    text = "".join((SHARED / n).read_text() for n in ("tinyshakespeare/input.txt", "tinystories/tinystories_val.txt"))
+    paths = []
+    for i in range(SMALL_SOURCES):
+        piece = text[i * SMALL_BYTES:(i + 1) * SMALL_BYTES]
+        piece = piece[: piece.rfind("\n\n")]  # whole paragraphs only
+        paths.append(work / f"small{i}.txt")
+        paths[-1].write_text(piece)
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_HOME", None)  # the CLI keeps Prefect's database in the recipe's work_dir
+    cli = [sys.executable, "-m", "flows.cli", "prepare"]
+    # Untimed: creates and migrates Prefect's database and warms the page cache, once per machine.
+    warmup = small_recipe(work, paths[:1], "warmup")
+    timed([*cli, str(warmup)], env)
+    env_probe = {**env, "PREFECT_HOME": str(work / "tessera" / "prefect")}
+    server_s = float(timed([sys.executable, "-c", SERVER_PROBE], env_probe)[1].strip().splitlines()[-1])
+    # Each run REPEAT times (fresh runs into fresh data roots), interleaved, keeping the fastest: on
+    # a shared machine the load of others only ever adds time.
+    walls: dict[str, list[float]] = {"cached": [], "one": [], "four": []}
+    for i in range(REPEAT):
+        walls["cached"].append(timed([*cli, str(warmup)], env)[0])  # all prepared: the process alone
+        walls["one"].append(timed([*cli, str(small_recipe(work, paths[:1], f"one{i}"))], env)[0])
+        walls["four"].append(timed([*cli, str(small_recipe(work, paths, f"four{i}"))], env)[0])
+    wall_cached, wall_one, wall_four = (min(walls[k]) for k in ("cached", "one", "four"))
+    tok = [anchor([p])[0] for p in paths]
+    first = wall_one - wall_cached - tok[0]
+    per_source = (wall_four - wall_one - sum(tok[1:])) / (SMALL_SOURCES - 1)
+    print(f"small    {SMALL_SOURCES} x {SMALL_BYTES // 1000} kB: tessera prepare {wall_one:.1f}s (1 source), "
+          f"{wall_four:.1f}s ({SMALL_SOURCES}), {wall_cached:.1f}s (nothing to do; Prefect server start-up "
+          f"{server_s:.1f}s of it); raw tokenizing {sum(tok):.2f}s; first source +{first:.1f}s, each further "
+          f"source +{per_source:.1f}s")
+    return {
+        "small_sources": SMALL_SOURCES,
+        "small_source_kb": SMALL_BYTES // 1000,
+        "small_prepare_1_s": round(wall_one, 2),
+        "small_prepare_4_s": round(wall_four, 2),
+        "small_prepare_cached_s": round(wall_cached, 2),
+        "small_prefect_startup_s": round(server_s, 2),
+        "small_anchor_tokenize_s": round(sum(tok), 3),
+        "first_source_overhead_s": round(first, 2),
+        "per_source_overhead_s": round(per_source, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=["all", "large", "small"], default="all")
     ap.add_argument("--mb", type=float, default=52.0)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--workers", type=int, default=None)
@@ -155,12 +258,19 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
     try:
+        small = {}
+        if args.case in ("all", "small"):
+            (work / "small").mkdir()
+            small = small_case(work / "small")
+            if args.case == "small":
+                print(json.dumps({"bench": "tokenize", **small}))
+                return
         (work / "corpus").mkdir()
         corpus = build_corpus(work / "corpus", args.mb)
         corpus_bytes = sum(p.stat().st_size for p in corpus)
         a_before, a_tokens, a_docs = anchor(corpus)
 
-        from flows.prepare import prepare_data
+        from flows.prepare import prepare_sources
         from tasks.data import outputs, parallel
 
         workers = args.workers or parallel.default_workers()
@@ -168,12 +278,16 @@ def main() -> None:
         tiny = work / "tiny" / "t.txt"
         tiny.write_text("A warm-up document that pays the fixed start-up.\n\n" * 200)
         t0 = time.perf_counter()
-        prepare_data(config(work / "warm", [str(tiny)], args.seq_len // 16, workers))
+        prepare_sources(config(work / "warm", [str(tiny)], args.seq_len // 16, workers))
+        # A source this small is tokenized in-process, so the pool is spawned here, as part of the
+        # start-up, not inside the timed run.
+        for ready in parallel.warm(workers):
+            ready.result()
         startup = time.perf_counter() - t0
 
         with RssSampler() as rss:
             t0 = time.perf_counter()
-            prepared = prepare_data(config(work / "data", [str(p) for p in corpus], args.seq_len, workers))
+            prepared = prepare_sources(config(work / "data", [str(p) for p in corpus], args.seq_len, workers))
             p_seconds = time.perf_counter() - t0
         # Measured again after, and averaged: on a shared machine the load drifts during the run.
         a_after = anchor(corpus)[0]
@@ -206,9 +320,10 @@ def main() -> None:
             "peak_rss_mb": round(rss.peak / (1 << 20)),
             "peak_rss_parent_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "peak_rss_worker_mb": round(children_max),
+            **small,
         }
         print(f"anchor   encode_batch: {a_rate:,.0f} tokens/s ({a_seconds:.1f}s)")
-        print(f"tessera  prepare_data: {p_rate:,.0f} tokens/s ({p_seconds:.1f}s; start-up {startup:.1f}s apart)")
+        print(f"tessera  prepare_sources: {p_rate:,.0f} tokens/s ({p_seconds:.1f}s; start-up {startup:.1f}s apart)")
         print(json.dumps(result))
     finally:
         from tasks.data import parallel

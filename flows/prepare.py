@@ -3,38 +3,49 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
+from pydantic import BaseModel, Field
 
 from tasks import prepare as prepare_tasks
-from tasks.data import outputs, parallel, pipeline
+from tasks.data import interrupt, mds, outputs, parallel, pipeline
 from tasks.data.config import DataConfig
 from tasks.data.errors import DataError
 from tasks.data.results import PreparedData, PreparedSource, summarize
 from tasks.data.tokenizer import TokenizerInfo
 from tasks.data.tokenizer import output_dir as tokenizer_dir
+from trainers.config import StageConfig
 
-__all__ = ["prepare_data", "PreparedData", "PreparedSource", "TokenizerInfo", "DataError", "summarize"]
+__all__ = ["warm_up", "prepare_data", "prepare_recipe_data", "prepare_sources", "RecipeData", "PreparedData", "PreparedSource", "TokenizerInfo", "DataError", "summarize"]
 
 
 @contextlib.contextmanager
-def _progress_bars(data: DataConfig):
-    """One tqdm bar per source (documents, with tokens alongside); silent when not on a terminal."""
+def _progress_bars(data: DataConfig, logger, every_s: float = 20.0):
+    """One tqdm bar per source (documents, with tokens alongside) on a terminal; otherwise a log line per
+    source at most every `every_s` seconds, so a long source never looks hung in a worker's log."""
+    import time
+
     from tqdm.auto import tqdm
 
     quiet = not sys.stderr.isatty()
     bars = {}
     for i, src in enumerate(data.sources):
         bar = tqdm(desc=src.name, unit=" docs", position=i, leave=True, disable=quiet, dynamic_ncols=True)
-        state = {"tokens": 0}
+        state = {"docs": 0, "tokens": 0, "said": time.monotonic()}
 
-        def update(docs: int, tokens: int, bar=bar, state=state) -> None:
+        def update(docs: int, tokens: int, bar=bar, state=state, name=src.name) -> None:
+            state["docs"] += docs
             state["tokens"] += tokens
             bar.set_postfix_str(f"{state['tokens']:,} tokens", refresh=False)
             bar.update(docs)
+            if quiet and time.monotonic() - state["said"] >= every_s:
+                state["said"] = time.monotonic()
+                logger.info("source %s: %s documents, %s tokens so far", name, f"{state['docs']:,}",
+                            f"{state['tokens']:,}")  # fmt: skip
 
         bars[src.name] = bar
         prepare_tasks.PROGRESS[src.name] = update
@@ -46,30 +57,43 @@ def _progress_bars(data: DataConfig):
             bar.close()
 
 
-@flow(name="prepare-data")
-def prepare_data(data: DataConfig) -> PreparedData:
+@flow(name="prepare-sources")
+def prepare_sources(data: DataConfig) -> PreparedData:
     """Tokenize each source into `<data.root>/<source>-<hash>`; finished sources are skipped."""
     logger = get_run_logger()
-    tok_dir = tokenizer_dir(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+    tok_dir = tokenizer_dir(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
     tok = prepare_tasks.prepare_tokenizer.with_options(refresh_cache=not outputs.is_done(tok_dir))(
-        data.tokenizer, data.root, data.sources, data.chunk_bytes)
+        data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
 
-    was_done = {}
+    was_done, pooled = {}, False
     for src in data.sources:
-        out = pipeline.plan(src, data, tok).out
-        was_done[src.name] = outputs.is_done(out)
+        plan = pipeline.plan(src, data, tok)
+        was_done[src.name] = pipeline.is_published(plan)
         if was_done[src.name]:
-            logger.info("source %s: up to date at %s, nothing to do", src.name, out)
-    workers = data.workers or parallel.default_workers()
-    if workers > 1 and not all(was_done.values()):
-        parallel.warm(workers)  # start the tokenizer processes while the first source is planned
+            logger.info("source %s: up to date at %s, nothing to do", src.name, plan.out)
+        else:
+            pooled = pooled or pipeline.uses_pool(plan, data)
+    if not all(was_done.values()):
+        mds.preload()  # a no-op when warm_up started it already
+    if pooled:
+        # Start the tokenizer processes while the first source is planned. Only when some source is
+        # cut into parts: one that is not runs in this process, and spawning the pool would only
+        # cost seconds of CPU (and its shutdown at exit) for nothing.
+        parallel.warm(data.workers or parallel.default_workers())
 
     futures = {}
-    with _progress_bars(data):
-        for src in data.sources:
-            task = prepare_tasks.prepare_source.with_options(refresh_cache=not was_done[src.name])
-            futures[src.name] = task.submit(src, data, tok)
-        sources = {name: f.result() for name, f in futures.items()}
+    with _progress_bars(data, logger):
+        try:
+            for src in data.sources:
+                task = prepare_tasks.prepare_source.with_options(refresh_cache=not was_done[src.name])
+                futures[src.name] = task.submit(src, data, tok)
+            sources = {name: f.result() for name, f in futures.items()}
+        except BaseException as exc:
+            # Ctrl-C, or Prefect's TerminationSignal when a worker cancels the run, reaches only this
+            # thread: tell the source threads and the pool to stop, or they run on and publish.
+            if not isinstance(exc, Exception):
+                interrupt.request(getattr(exc, "signal", signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None))
+            raise
     # A Prefect cache hit replays the first run's result; say what happened in this run.
     sources = {n: s.model_copy(update={"cached": was_done[n]}) for n, s in sources.items()}
     prepared = PreparedData(tokenizer=tok, seq_len=data.seq_len, sources=sources)
@@ -86,3 +110,72 @@ def prepare_data(data: DataConfig) -> PreparedData:
         logger.info("all %d sources were already prepared; no work done", len(sources))
     logger.info("prepared data:\n%s", summarize(prepared))
     return prepared
+
+
+def prepare_stage_lengths(data: DataConfig, stages: list[StageConfig], tokenizer_dir: str) -> dict[int, dict[str, str]]:
+    """Stages with their own seq_len read their sources packed at that length: prepare those too.
+
+    Each length is its own cached output (seq_len is part of a source's hash), so this costs one
+    tokenization per (source, length) and nothing on a rerun. The tokenizer is the one already
+    prepared, by path: a `train:` tokenizer would otherwise be retrained on the subset of sources.
+    """
+    wanted: dict[int, set[str]] = {}
+    for stage in stages:
+        if stage.seq_len and stage.seq_len != data.seq_len:
+            wanted.setdefault(stage.seq_len, set()).update(stage.mixture)
+    tokenizer = data.tokenizer
+    if tokenizer.train is not None:
+        tokenizer = tokenizer.model_copy(update={"path": tokenizer_dir, "train": None})
+    streams = {}
+    for seq_len, names in sorted(wanted.items()):
+        sources = [s for s in data.sources if s.name in names]
+        subset = data.model_copy(update={"seq_len": seq_len, "sources": sources, "tokenizer": tokenizer})
+        prepared = prepare_sources.with_options(flow_run_name=f"prepare-sources-seq{seq_len}")(subset)
+        streams[seq_len] = {name: str(src.path) for name, src in prepared.sources.items()}
+    return streams
+
+
+def warm_up(data: DataConfig) -> None:
+    """Before Prefect starts: when there is data to prepare, start importing Streaming's writer
+    (~4 s: torch and transformers come with it) so that it overlaps Prefect's server start-up
+    instead of delaying the first source. A run with nothing to do imports nothing."""
+    if not pipeline.all_prepared(data):
+        mds.preload()
+
+
+class RecipeData(BaseModel):
+    """Everything a recipe's training reads: its sources at data.seq_len, plus any stage's own length."""
+
+    prepared: PreparedData = Field(..., description="The sources packed at data.seq_len, and the tokenizer.")
+    seq_len_streams: dict[int, dict[str, str]] = Field(
+        default_factory=dict, description="seq_len -> {source -> MDS directory} for stages with their own seq_len."
+    )
+
+    def summary(self) -> str:
+        lines = [summarize(self.prepared)]
+        for seq_len, streams in sorted(self.seq_len_streams.items()):
+            lines += [f"at seq_len {seq_len}:"] + [f"  {name}: {path}" for name, path in sorted(streams.items())]
+        return "\n".join(lines)
+
+
+def prepare_recipe_data(data: DataConfig, stages: list[StageConfig]) -> RecipeData:
+    """Prepare what `pretrain_pipeline` trains on: the same call serves `tessera prepare` and `tessera run`."""
+    prepared = prepare_sources(data)
+    return RecipeData(prepared=prepared, seq_len_streams=prepare_stage_lengths(data, stages, prepared.tokenizer.hf_dir))
+
+
+class PrepareParams(BaseModel):
+    """The form of a prepare run: a recipe whose sources to tokenize (as `tessera prepare RECIPE`)."""
+
+    recipe: str = Field(
+        ..., min_length=1, description="Path to the recipe YAML; relative paths resolve against the worker's directory."
+    )
+
+
+@flow(name="prepare_data", log_prints=True)
+def prepare_data(params: PrepareParams) -> RecipeData:
+    """Tokenize every source a recipe trains on, at every seq_len its stages use; finished outputs are skipped."""
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(params.recipe)
+    return prepare_recipe_data(recipe.data, recipe.train.stages)

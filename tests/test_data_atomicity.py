@@ -49,7 +49,7 @@ def _finish_and_check(data, docs):
     assert not res.cached
     assert prov(res.root)["counts"]["train"]["tokens"] == total
     assert read_tokens(res.path).shape == (total // 128, 128)
-    assert glob.glob(os.path.join(data.root, ".s-*")) == []  # the dead run's staging is cleared
+    assert glob.glob(os.path.join(data.root, ".s-*")) == []  # the dead run's staging and lease are cleared
     return res
 
 
@@ -65,7 +65,8 @@ def test_sigkill_while_writing_leaves_no_output(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     plan = pipeline.plan(data.sources[0], data, tokenizer.resolve(data.tokenizer, data.root, [], data.chunk_bytes))
-    assert not os.path.exists(plan.out) and len(glob.glob(os.path.join(data.root, ".s-*"))) == 1
+    assert not os.path.exists(plan.out) and len(glob.glob(os.path.join(data.root, ".s-*.tmp-*"))) == 1
+    assert len(glob.glob(os.path.join(data.root, ".s-*.lease"))) == 1  # a dead pid on this host: stale at once
     assert pipeline.cached_result(plan) is None
     _finish_and_check(data, docs)
 

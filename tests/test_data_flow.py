@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from flows.prepare import prepare_data, summarize
+from flows.prepare import prepare_sources, summarize
 from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov, read_tokens
 
 STORIES_VAL = ROOT / "data" / "corpora" / "tinystories" / "tinystories_val.txt"
@@ -43,7 +43,7 @@ def _artifact_rows(state) -> list[dict]:
 
 
 def _run(data):
-    state = prepare_data(data, return_state=True)
+    state = prepare_sources(data, return_state=True)
     return state.result(), _task_states(state)
 
 
@@ -54,7 +54,7 @@ def test_demo_recipe_in_parallel(tmp_path, prefect_harness):
     ]
     # Small chunks so both sources are cut into parts and go through the process pool.
     data = make_config(tmp_path / "data", sources, seq_len=128, workers=2, chunk_bytes=300_000)
-    state = prepare_data(data, return_state=True)
+    state = prepare_sources(data, return_state=True)
     prepared = state.result()
     assert prepared.tokenizer.eos_token_id == 0 and prepared.tokenizer.vocab_size == 50277
     assert list(prepared.sources) == ["tinyshakespeare", "tinystories"]
@@ -117,4 +117,4 @@ def test_bad_input_fails_the_flow_with_the_data_error(tmp_path, prefect_harness)
     bad.write_text('{"text": "fine"}\n{"text": \n')
     data = make_config(tmp_path / "data", [{"name": "j", "kind": "jsonl", "paths": [str(bad)]}], seq_len=4)
     with pytest.raises(DataError, match=rf"^{bad}:2: malformed JSON"):
-        prepare_data(data)
+        prepare_sources(data)

@@ -66,3 +66,33 @@ def neox_info(tmp_path_factory):
 
     cfg = make_config(tmp_path_factory.mktemp("tok"), [{"name": "x", "paths": ["x"]}]).tokenizer
     return tokenizer.resolve(cfg, str(tmp_path_factory.mktemp("tokroot")), [], 1 << 20)
+
+
+def write_recipe(path: Path, sources: list[dict], root, work_dir, stages: list[dict] | None = None,
+                 seq_len: int = 128, tokenizer: str | None = None, **data) -> Path:
+    """A runnable recipe (the tiny demo's model, eval and tracking) over these data sources; `data`
+    sets more fields of its data section."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    recipe["work_dir"] = str(work_dir)
+    recipe["data"].update({"root": str(root), "seq_len": seq_len, "sources": sources, **data})
+    recipe["data"]["tokenizer"]["path"] = tokenizer or str(NEOX)
+    recipe["train"]["stages"] = stages or [
+        {"name": "all", "tokens": 8 * seq_len * 4, "mixture": {sources[0]["name"]: 1.0}}]
+    recipe["eval"]["every"] = 8 * seq_len * 4
+    for key in ("tasks", "gauntlet", "data_root"):
+        recipe["eval"][key] = str(ROOT / recipe["eval"][key])
+    recipe["tracking"]["tracking_uri"] = f"sqlite:///{Path(work_dir) / 'mlflow.db'}"
+    recipe["tracking"].pop("artifact_location", None)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def tessera(*args: str, timeout: float = 300, **env: str):
+    """Run the real `tessera` CLI of this checkout (cwd the project root); returns the CompletedProcess."""
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    return subprocess.run([str(ROOT / ".venv" / "bin" / "tessera"), *args], cwd=ROOT, env={**clean, **env},
+                          capture_output=True, text=True, timeout=timeout)

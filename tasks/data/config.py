@@ -13,6 +13,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 
+# About 1 MB of text, ~250k tokens: far above a paragraph, a web page or an article, and small
+# enough that every tokenizer process together stays well inside the prepare stage's 2 GB budget.
+DEFAULT_MAX_DOC_CHARS = 1_000_000
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,7 +64,10 @@ class _SourceBase(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Source name, used in mixtures and paths.")
     min_chars: NonNegativeInt = Field(0, description="Drop documents shorter than this many characters.")
     max_doc_chars: PositiveInt | None = Field(
-        None, description="A document longer than this is an error (skipped under on_error: skip)."
+        DEFAULT_MAX_DOC_CHARS,
+        description="A document longer than this many characters is an error (skipped under on_error: skip). "
+        "It also bounds memory: text and JSONL readers never hold much more of one document, and tokenizing "
+        "one costs about 170 bytes per character per worker. null removes the limit, and the bound with it.",
     )
     truncate_long: bool = Field(
         False, description="Cut documents longer than max_doc_chars to that length instead of failing or skipping."
@@ -145,7 +153,16 @@ SourceConfig = Annotated[TextSource | JsonlSource | ParquetSource | HFSource, Fi
 class DataConfig(_Strict):
     """Where prepared data goes and how it is tokenized and packed."""
 
-    root: str = Field(".tessera/data", description="Prepared MDS datasets go under <root>/<source>-<hash>.")
+    root: str = Field(
+        ".tessera/data",
+        description="Prepared MDS datasets go under <root>/<source>-<hash>: a local directory or an s3://bucket/prefix "
+        "(prepared in local_cache, then uploaded; training streams it from the bucket).",
+    )
+    local_cache: str | None = Field(
+        None,
+        description="Working copy of an s3:// root where outputs (and the tokenizer) are prepared before upload; "
+        "null: ~/.cache/tessera/data/<bucket>/<prefix>. Unused for a local root.",
+    )
     seq_len: PositiveInt = Field(..., description="Tokens per packed training sample.")
     tokenizer: TokenizerConfig = Field(..., description="The tokenizer: a pretrained one, or trained on the sources.")
     sources: list[SourceConfig] = Field(..., min_length=1, description="The sources to prepare.")
@@ -168,6 +185,26 @@ class DataConfig(_Strict):
                 {**s, "kind": "text"} if isinstance(s, dict) and "kind" not in s else s for s in data["sources"]
             ]}
         return data
+
+    @property
+    def local_root(self) -> str:
+        """Where outputs are written on this machine: the root itself, or the working copy of an s3:// root."""
+        if not self.root.startswith("s3://"):
+            return self.root
+        if self.local_cache:
+            return self.local_cache
+        from tasks.data.remote_root import default_cache
+
+        return default_cache(self.root)
+
+    @field_validator("root")
+    @classmethod
+    def _root_scheme(cls, root: str) -> str:
+        if "://" in root and not root.startswith("s3://"):
+            raise ValueError(f"{root}: only local directories and s3:// URIs are supported")
+        if root.startswith("s3://") and not root[len("s3://"):].strip("/"):
+            raise ValueError(f"{root}: names no bucket")
+        return root
 
     @model_validator(mode="after")
     def _unique_names(self) -> DataConfig:

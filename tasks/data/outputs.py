@@ -1,47 +1,81 @@
 """Content-addressed output directories: staged beside the target, renamed in, marked done last.
 
 A directory without the done-marker is never used: it is what a killed run leaves, and the next
-run replaces it. Staging directories carry the writer's pid so a later run can tell a dead
-writer's leftovers from a live concurrent one.
+run replaces it. Staging happens under the output's lease (tasks/data/lease.py): only the lease
+holder writes an output or its staging, so whatever staging it finds was left by a dead run,
+on this host or another, and is removed.
+
+Filesystem errors that will fail the same way on every try (a read-only or full disk, a data
+root that is a file, no permission) are bad input: they become a one-line DataError naming the
+path, which the Prefect tasks do not retry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 
+from tasks.data import interrupt
+from tasks.data.errors import DataError
+
 DONE = "_DONE"
 PROVENANCE = "provenance.json"
+
+PERMANENT_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EEXIST,
+                    errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
+
+_ACTIVE: set[str] = set()  # staging directories this process is filling now
+_ACTIVE_LOCK = threading.Lock()
 
 
 def is_done(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DONE))
 
 
-def _alive(pid: int) -> bool:
+@contextlib.contextmanager
+def permanent_errors(what: str) -> Iterator[None]:
+    """Turn an OSError that no retry can fix into a DataError naming its path and `what` failed."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        yield
+    except OSError as exc:
+        if exc.errno not in PERMANENT_ERRNOS:
+            raise
+        path = exc.filename if exc.filename is not None else "?"
+        raise DataError(str(path), f"{what}: {exc.strerror or os.strerror(exc.errno)}") from exc
+
+
+def ensure_root(root: str) -> None:
+    """The data root exists, is a directory and can be written, or a one-line DataError says why."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(root, "data.root is a file, not a directory")
+    with permanent_errors("cannot create data.root"):
+        os.makedirs(root, exist_ok=True)
+    if not os.access(root, os.W_OK):
+        why = "read-only file system" if _read_only(root) else "permission denied"
+        raise DataError(root, f"data.root is not writable ({why})")
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
-def _clear_stale(out: str) -> None:
+def _clear_staging(out: str) -> None:
     parent, base = os.path.split(os.path.abspath(out))
     prefix = f".{base}.tmp-"
     for name in os.listdir(parent):
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        path = os.path.join(parent, name)
+        if name.startswith(prefix) and path not in _ACTIVE:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def write_json(path: str, obj: object) -> None:
@@ -54,27 +88,56 @@ def write_json(path: str, obj: object) -> None:
 
 
 @contextlib.contextmanager
-def staging(out: str) -> Iterator[str]:
-    """Yield a fresh directory to fill; on success it becomes `out`, done-marker written last."""
+def staging(out: str, lease) -> Iterator[str]:
+    """Yield a fresh directory to fill; on success it becomes `out`, done-marker written last.
+
+    The caller holds `lease` (a tasks.data.lease.Lease) on `out`. Nothing is renamed in after a
+    stop request or once the lease was lost.
+    """
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    _clear_stale(out)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    with permanent_errors("cannot write prepared data"):
+        os.makedirs(parent, exist_ok=True)
+        _clear_staging(out)
+        tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(tmp)
     try:
-        yield tmp
-    except BaseException:
+        try:
+            with permanent_errors("cannot write prepared data"):
+                yield tmp
+            interrupt.check()
+            lease.check()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with permanent_errors("cannot publish prepared data"):
+            if os.path.exists(out):  # unfinished (no done-marker): what a killed run left
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+            _fault("renamed")
+            write_json(os.path.join(out, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+
+
+def wait_for_staging(deadline: float) -> None:
+    """Wait until no staging directory of this process is being filled, or time.monotonic() passes deadline."""
+    while time.monotonic() < deadline:
+        with _ACTIVE_LOCK:
+            if not _ACTIVE:
+                return
+        time.sleep(0.05)
+
+
+def remove_staging() -> None:
+    """Remove the staging directories still being filled: the process is about to exit without them."""
+    with _ACTIVE_LOCK:
+        left = list(_ACTIVE)
+    for tmp in left:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if is_done(out):  # a concurrent run finished the same work first; keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-    _fault("renamed")
-    write_json(os.path.join(out, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def _fault(point: str) -> None:

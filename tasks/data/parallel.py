@@ -44,6 +44,23 @@ def warm(workers: int) -> list[Future]:
     return [p.submit(os.getpid) for _ in range(workers)]
 
 
+def terminate() -> None:
+    """Kill the workers now, dropping their jobs: a stop request, not an orderly end.
+
+    The executor's own shutdown would let every running job finish first. ProcessPoolExecutor
+    has no public way to end its workers before Python 3.14 (terminate_workers), hence
+    `_processes`.
+    """
+    global _POOL
+    with _LOCK:
+        pool, _POOL = _POOL, None
+    if pool is None:
+        return
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def shutdown() -> None:
     global _POOL
     if _POOL is not None:

@@ -7,6 +7,7 @@ wraps it as a cached Prefect task.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -15,14 +16,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.data import hashing, outputs, parallel, readers, storage, worker
+from tasks.data import hashing, interrupt, lease, outputs, parallel, readers, remote_root, storage, worker
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
 from tasks.data.mds import SplitWriter, columns
 from tasks.data.results import PreparedSource
 from tasks.data.tokenizer import TokenizerInfo
 
-log = logging.getLogger(__name__)
+# Under `tessera`, which Prefect's logging setup reaches (PREFECT_LOGGING_EXTRA_LOGGERS): a warning or a
+# wait for another run then shows in the flow run's log, not only on this process's stderr.
+log = logging.getLogger("tessera.data")
+
+# A file at least this large that a separator was meant to split, but that holds no separator at
+# all, is almost surely a wrong separator: it is worth a warning even when it fits max_doc_chars.
+UNSPLIT_WARN_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,9 @@ class Plan:
     refs: tuple[storage.FileRef, ...]
     files: list
     key: str
-    out: str
+    out: str  # where it is written on this machine
     missing: dict  # pattern -> why, for patterns skipped under on_error: skip
+    remote: str | None = None  # its s3:// URI, for an s3:// data root (what training reads)
 
 
 def resolve_files(src: SourceConfig) -> tuple[list[storage.FileRef], dict[str, str]]:
@@ -53,16 +61,50 @@ def resolve_files(src: SourceConfig) -> tuple[list[storage.FileRef], dict[str, s
 
 
 def plan(src: SourceConfig, data: DataConfig, tok: TokenizerInfo) -> Plan:
+    return _plan(src, data, tok.fingerprint)
+
+
+def all_prepared(data: DataConfig) -> bool:
+    """Whether the tokenizer and every source of `data` are already prepared, from file metadata
+    alone (nothing is loaded): lets a caller skip warming up for work there is none of."""
+    from tasks.data import tokenizer
+
+    try:
+        tok_dir = tokenizer.output_dir(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
+        if not outputs.is_done(tok_dir):
+            return False
+        key = os.path.basename(tok_dir).removeprefix("tokenizer-")
+        plans = [_plan(src, data, key) for src in data.sources]
+        return all(remote_root.is_done(p.remote) if p.remote else outputs.is_done(p.out) for p in plans)
+    except (DataError, OSError):
+        return False  # the flow will say what is wrong
+
+
+def _plan(src: SourceConfig, data: DataConfig, tokenizer_key: str) -> Plan:
     refs, missing = resolve_files(src)
     if isinstance(src, HFSource):
         files = hashing.fingerprints(src)
     else:
         files = [[r.path, r.size, r.version] for r in refs] + [[p, "missing", why] for p, why in missing.items()]
-    key = hashing.source_key(src, files, tok.fingerprint, data)
-    return Plan(src, tuple(refs), files, key, os.path.join(data.root, f"{src.name}-{key}"), missing)
+    key = hashing.source_key(src, files, tokenizer_key, data)
+    name = f"{src.name}-{key}"
+    remote = f"{data.root.rstrip('/')}/{name}" if remote_root.is_remote(data.root) else None
+    return Plan(src, tuple(refs), files, key, os.path.join(data.local_root, name), missing, remote)
+
+
+def is_published(p: Plan) -> bool:
+    """Whether the output is finished where training reads it: the bucket for an s3:// root."""
+    return remote_root.is_done(p.remote) if p.remote is not None else outputs.is_done(p.out)
 
 
 def cached_result(p: Plan) -> PreparedSource | None:
+    if p.remote is not None:  # the bucket is the truth: a local copy alone is not a published output
+        if not remote_root.is_done(p.remote):
+            if outputs.is_done(p.out):  # finished here, then the upload was cut short
+                remote_root.publish(p.out, p.remote)
+                return _result(p, outputs.read_provenance(p.out), cached=True)
+            return None
+        return _result(p, remote_root.read_provenance(p.remote), cached=True)
     if not outputs.is_done(p.out):
         return None
     prov = outputs.read_provenance(p.out)
@@ -70,7 +112,7 @@ def cached_result(p: Plan) -> PreparedSource | None:
 
 
 def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
-    out = os.path.abspath(p.out)
+    out = p.remote or os.path.abspath(p.out)
     c = prov["counts"]
     val = c["val"]
     return PreparedSource(
@@ -79,7 +121,21 @@ def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
         root=out, hash=p.key, documents=c["train"]["documents"], tokens=c["train"]["tokens_written"],
         samples=c["train"]["samples"], val_documents=val["documents"], val_tokens=val["tokens_written"],
         skipped=c["skipped_total"], truncated=c["truncated"], dtype=prov["tokenizer"]["dtype"], cached=cached,
+        warnings=prov.get("warnings", []),
     )
+
+
+def uses_pool(p: Plan, data: DataConfig) -> bool:
+    """Whether preparing `p` will hand parts to the process pool (see _jobs and _run), from sizes alone."""
+    src = p.source
+    if (data.workers or parallel.default_workers()) <= 1 or isinstance(src, HFSource):
+        return False
+    if src.max_documents is not None or src.max_tokens is not None:
+        return False
+    total = sum(r.size for r in p.refs)
+    # Units are cut from files at about chunk_size bytes and grouped to about that size: a source no
+    # larger than one chunk is one job, which runs in-process.
+    return total > readers.chunk_size(total, data.chunk_bytes)
 
 
 def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -> list[worker.Job]:
@@ -96,8 +152,9 @@ def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -
 
 def _run(jobs: list[worker.Job], workers: int, writers: dict[str, SplitWriter], progress) -> list[worker.JobResult]:
     """Run the jobs and feed their ids to the writers in job order, so the packing is the same as
-    one process reading the whole source."""
+    one process reading the whole source. A stop request ends it within one batch or one poll."""
     def sink(split: str, ids) -> None:
+        interrupt.check()
         writers[split].add(ids)
 
     if len(jobs) <= 1 or workers <= 1:
@@ -111,7 +168,7 @@ def _run(jobs: list[worker.Job], workers: int, writers: dict[str, SplitWriter], 
         for job in itertools.islice(todo, 2 * workers):
             pending.append(pool.submit(worker.run_job, job))
         while pending:
-            r = pending.popleft().result()
+            r = _job_result(pending.popleft())
             for split, ids in r.ids.items():
                 if len(ids):
                     sink(split, ids)
@@ -126,20 +183,54 @@ def _run(jobs: list[worker.Job], workers: int, writers: dict[str, SplitWriter], 
             f.cancel()
 
 
+def _job_result(future: concurrent.futures.Future) -> worker.JobResult:
+    # Polled, not waited on: a thread blocked in result() would not notice a stop request.
+    while True:
+        interrupt.check()
+        try:
+            return future.result(timeout=0.2)
+        except concurrent.futures.TimeoutError:
+            continue
+        except concurrent.futures.process.BrokenProcessPool:
+            interrupt.check()  # the pool was terminated by a stop request
+            raise
+
+
 def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
                    progress: Callable[[int, int], None] | None = None) -> PreparedSource:
-    """Prepare `src` under <root>/<name>-<hash>, or return the finished output if it exists."""
+    """Prepare `src` under <root>/<name>-<hash>, or return the finished output if it exists.
+
+    The output's lease is held throughout: a concurrent run of the same output (here or on
+    another host sharing the root) waits, then finds it done and reuses it.
+    """
     p = plan(src, data, tok)
     done = cached_result(p)
     if done is not None:
         log.info("source %s: up to date at %s, nothing to do", src.name, p.out)
         return done
+    outputs.ensure_root(data.local_root)
+
+    def waiting(holder: lease.Holder) -> None:
+        log.warning("source %s: another run (%s) is preparing %s; waiting for it", src.name, holder.describe(), p.out)
+
+    with outputs.permanent_errors("cannot write prepared data"), \
+            lease.hold(p.out, on_wait=waiting, check_stop=interrupt.check) as held:
+        done = cached_result(p)
+        if done is not None:
+            log.info("source %s: prepared by the run we waited for, at %s", src.name, p.out)
+            return done
+        return _write(p, data, tok, held, progress)
+
+
+def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: lease.Lease,
+           progress: Callable[[int, int], None] | None) -> PreparedSource:
+    src = p.source
     started = time.time()
     tally = readers.Tally(src.on_error)
     for pattern, why in p.missing.items():
         tally.bad(pattern, why, "unreadable_path")
     workers = data.workers or parallel.default_workers()
-    with outputs.staging(p.out) as staging:
+    with outputs.staging(p.out, held) as staging:
         writers = {split: SplitWriter(os.path.join(staging, split), data.seq_len, tok.dtype, data.compression,
                                       data.hashes, data.shard_size) for split in ("train", "val")}
         jobs = _jobs(p, data, tok, tally)
@@ -165,6 +256,17 @@ def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
         if counts["train"]["samples"] == 0:
             raise DataError(where, f"{counts['train']['tokens']} train tokens is less than one seq_len "
                                    f"({data.seq_len}) sample")
+        if src.val_fraction > 0 and counts["val"]["samples"] == 0:
+            # Training would silently report no validation loss for this source.
+            raise DataError(where, f"val_fraction={src.val_fraction} held out no validation sample "
+                                   f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
+                                   f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
+                                   "seq_len, or set val_fraction: 0")
+        warnings = [f"source '{src.name}': {path} ({size:,} bytes) is one document: the separator "
+                    f"{getattr(src, 'separator', None)!r} never occurs in it"
+                    for path, size in tally.unsplit if size >= UNSPLIT_WARN_BYTES]
+        for w in warnings:
+            log.warning("%s", w)
         prov = {
             "source": src.model_dump(mode="json"),
             "hash": p.key,
@@ -183,6 +285,7 @@ def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
                 "truncated": tally.truncated,
                 "capped": any(r.capped for r in results),
             },
+            "warnings": warnings,
             "format": {"columns": columns(tok.dtype, data.seq_len), "compression": data.compression,
                        "hashes": list(data.hashes), "units": sum(r.units for r in results), "parts": len(jobs)},
             "code_version": hashing.CODE_VERSION,
@@ -194,6 +297,9 @@ def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
         outputs.write_json(os.path.join(staging, outputs.PROVENANCE), prov)
     log.info("source %s: wrote %d samples (%d tokens) to %s", src.name, counts["train"]["samples"],
              counts["train"]["tokens_written"], p.out)
+    if p.remote is not None:
+        remote_root.publish(p.out, p.remote)
+        log.info("source %s: published to %s", src.name, p.remote)
     return _result(p, prov, cached=False)
 
 

@@ -6,6 +6,10 @@ count), so the output is the same however many processes tokenize it.
 
 Bad input goes through `Tally.bad`: under `on_error: fail` it raises a one-line `DataError`
 naming the file and line (or row, or field); under `skip` it is counted by reason.
+
+Memory is bounded by `max_doc_chars`, not by the input: text and JSONL readers never hold more
+than a few times that many bytes of one document or line. What runs past it is counted and
+dropped as it streams by, and only its first bytes are kept (for `truncate_long`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class Tally:
     filtered: int = 0  # by design: empty or shorter than min_chars
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
+    # (path, bytes) of files a separator was meant to split but that hold no separator at all
+    unsplit: list = field(default_factory=list)
 
     def bad(self, where: str, what: str, reason: str) -> None:
         if self.policy == "fail":
@@ -52,6 +58,7 @@ class Tally:
         self.filtered += other.filtered
         self.truncated += other.truncated
         self.skipped.update(other.skipped)
+        self.unsplit.extend(other.unsplit)
 
 
 # --- planning -------------------------------------------------------------------------------
@@ -131,19 +138,54 @@ def documents(src: SourceConfig, unit: Unit, tally: Tally) -> Iterator[str]:
         raw = _parquet_docs(src, unit, tally)
     else:
         raw = _hf_docs(src, tally)
+    limit = src.max_doc_chars
     for text, where in raw:
+        if isinstance(text, Long):
+            if src.truncate_long and text.head is not None:
+                tally.truncated += 1
+                yield text.head[:limit]  # a head of 4 x limit bytes holds at least limit characters
+            else:
+                tally.bad(where(), f"{text.what} exceeds max_doc_chars={limit}{text.why}", "too_long")
+            continue
         if len(text) < src.min_chars or not text or text.isspace():
             tally.filtered += 1
             continue
-        if src.max_doc_chars is not None and len(text) > src.max_doc_chars:
+        if limit is not None and len(text) > limit:
             if src.truncate_long:
                 tally.truncated += 1
-                text = text[: src.max_doc_chars]
+                text = text[:limit]
             else:
-                tally.bad(where(), f"document of {len(text)} characters exceeds max_doc_chars={src.max_doc_chars}",
-                          "too_long")
+                tally.bad(where(), f"document of {len(text):,} characters exceeds max_doc_chars={limit}", "too_long")
                 continue
         yield text
+
+
+class Long:
+    """A document (or JSONL line) too long to hold: its size, and its start when it can be cut."""
+
+    __slots__ = ("head", "what", "why")
+
+    def __init__(self, head: str | None, what: str, why: str = ""):
+        self.head, self.what, self.why = head, what, why
+
+
+def byte_cap(max_chars: int | None, per_char: int = 4) -> int | None:
+    """Bytes past which a piece surely holds more than max_chars characters (UTF-8 spends at
+    most 4 bytes on one, a JSON escape 12); never below one read block, so the cap costs nothing
+    on ordinary input."""
+    return None if max_chars is None else max(per_char * max_chars, storage.BLOCK)
+
+
+def _head(data: bytes) -> str | None:
+    """The text of a prefix cut at an arbitrary byte (a character the cut split is dropped), or
+    None when the prefix is not UTF-8."""
+    for cut in range(4):  # a split character leaves at most 3 of its bytes before the cut
+        try:
+            return data[: len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(data) - 4:
+                return None  # a bad byte well before the cut: not a split character
+    return None
 
 
 class _Where:
@@ -159,14 +201,52 @@ class _Where:
         return f"{self.path}:{base + self.line - 1}"
 
 
-def _split(blocks: Iterator[bytes], sep: bytes) -> Iterator[bytes]:
+class _Over:
+    """A piece of the stream that ran past the cap: its first `cap` bytes, total size and newlines."""
+
+    __slots__ = ("head", "size", "lines")
+
+    def __init__(self, head: bytes, size: int, lines: int):
+        self.head, self.size, self.lines = head, size, lines
+
+
+def _split(blocks: Iterator[bytes], sep: bytes, cap: int | None = None) -> Iterator[bytes | _Over]:
+    """The pieces between separators, as `whole.split(sep)` would cut them, block by block.
+
+    A piece longer than `cap` bytes comes out as an `_Over` and is never held whole: once the
+    buffer passes the cap, all but its last len(sep)-1 bytes (where a separator may begin) are
+    counted and dropped.
+    """
     buf = b""
+    over: _Over | None = None
     for block in blocks:
         buf += block
         parts = buf.split(sep)
         buf = parts.pop()
-        yield from parts
-    if buf:
+        for piece in parts:
+            if over is not None:
+                over.size += len(piece)
+                over.lines += piece.count(b"\n")
+                yield over
+                over = None
+            elif cap is not None and len(piece) > cap:
+                yield _Over(piece[:cap], len(piece), piece.count(b"\n"))
+            else:
+                yield piece
+        if cap is not None and len(buf) > cap:
+            cut = len(buf) - (len(sep) - 1)
+            if over is None:
+                over = _Over(buf[:cap], 0, 0)
+            over.size += cut
+            over.lines += buf.count(b"\n", 0, cut)
+            buf = buf[cut:]
+    if over is not None:
+        over.size += len(buf)
+        over.lines += buf.count(b"\n")
+        yield over
+    elif cap is not None and len(buf) > cap:
+        yield _Over(buf[:cap], len(buf), buf.count(b"\n"))
+    elif buf:
         yield buf
 
 
@@ -180,23 +260,43 @@ def _decode(data: bytes, where: _Where, tally: Tally) -> str | None:
         return None
 
 
-def _text_docs(src: TextSource, unit: Unit, tally: Tally) -> Iterator[tuple[str, _Where]]:
-    blocks = storage.read_blocks(unit.path, unit.start, unit.end)
+def _text_docs(src: TextSource, unit: Unit, tally: Tally) -> Iterator[tuple[str | Long, _Where]]:
+    cap = byte_cap(src.max_doc_chars)
     if src.separator is None:
         where = _Where(unit.path, 0, 1)
-        text = _decode(b"".join(blocks), where, tally)
+        size = unit.end - unit.start if unit.end is not None else None
+        if cap is not None and size is not None and size > cap:
+            # Known too long from its size alone: read no more of it than a truncation keeps.
+            head = _head(storage.read_range(unit.path, unit.start, cap)) if src.truncate_long else None
+            yield Long(head, f"document of {size:,} bytes (the whole file)"), where
+            return
+        text = _decode(b"".join(storage.read_blocks(unit.path, unit.start, unit.end)), where, tally)
         if text is not None:
             yield text, where
         return
     sep = src.separator.encode()
     sep_lines = sep.count(b"\n")
     line = 1
-    for chunk in _split(blocks, sep):
+    pieces, first = 0, 0
+    for chunk in _split(storage.read_blocks(unit.path, unit.start, unit.end), sep, cap):
         where = _Where(unit.path, unit.start, line)
+        pieces += 1
+        first = first or (chunk.size if isinstance(chunk, _Over) else len(chunk))
+        if isinstance(chunk, _Over):
+            line += chunk.lines + sep_lines
+            whole = unit.start == 0 and unit.end is not None and chunk.size == unit.end
+            why = f"; the separator {src.separator!r} never occurs in the file" if whole else ""
+            head = _head(chunk.head) if src.truncate_long else None
+            yield Long(head, f"document of {chunk.size:,} bytes", why), where
+            continue
         line += chunk.count(b"\n") + sep_lines
         text = _decode(chunk, where, tally)
         if text is not None:
             yield text, where
+    # One piece spanning a unit that starts the file: the separator never occurs in it (a unit
+    # without one is never cut short of the file's end).
+    if pieces == 1 and unit.start == 0 and unit.end is not None and first == unit.end:
+        tally.unsplit.append((unit.path, unit.end))
 
 
 def _fields_of(template: str) -> list[str]:
@@ -220,9 +320,14 @@ def _extract(src: JsonlSource | ParquetSource | HFSource, record: dict, where, t
     return src.template.format_map(record)
 
 
-def _jsonl_docs(src: JsonlSource, unit: Unit, tally: Tally) -> Iterator[tuple[str, _Where]]:
-    for i, raw in enumerate(_split(storage.read_blocks(unit.path, unit.start, unit.end), b"\n")):
+def _jsonl_docs(src: JsonlSource, unit: Unit, tally: Tally) -> Iterator[tuple[str | Long, _Where]]:
+    cap = byte_cap(src.max_doc_chars, per_char=12)
+    for i, raw in enumerate(_split(storage.read_blocks(unit.path, unit.start, unit.end), b"\n", cap)):
         where = _Where(unit.path, unit.start, i + 1)
+        if isinstance(raw, _Over):
+            # A record cannot be parsed from part of its line, so this is never truncated.
+            yield Long(None, f"line of {raw.size:,} bytes", f"; lines over {cap:,} bytes are not parsed"), where
+            continue
         if not raw.strip():
             continue
         line = _decode(raw, where, tally)

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tasks.data.errors import DataError
 
-_BLOCK = 1 << 20
+BLOCK = 1 << 20  # bytes per read
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def expand(patterns: list[str]) -> list[FileRef]:
                 names = sorted(glob.glob(pattern, recursive=True))
                 names = [n for n in names if not os.path.isdir(n)]
                 if not names:
-                    raise DataError(pattern, "glob matches no files")
+                    raise DataError(pattern, "glob matches no files" + relative_note(pattern))
             else:
                 names = [pattern]
             refs = [_stat(n) for n in names]
@@ -92,9 +92,14 @@ def expand(patterns: list[str]) -> list[FileRef]:
     return list(seen.values())
 
 
+def relative_note(path: str) -> str:
+    """For a relative path that was not found: the directory it was resolved against."""
+    return "" if os.path.isabs(path) or is_s3(path) else f" (relative to {os.getcwd()})"
+
+
 def _stat(path: str) -> FileRef:
     if not os.path.exists(path):
-        raise DataError(path, "no such file")
+        raise DataError(path, "no such file" + relative_note(path))
     if os.path.isdir(path):
         raise DataError(path, "is a directory, not a file (use a glob such as dir/*.txt)")
     if not os.access(path, os.R_OK):
@@ -112,7 +117,7 @@ def read_blocks(path: str, start: int = 0, end: int | None = None) -> Iterator[b
             body = _s3_client().get_object(Bucket=bucket, Key=key, Range=rng)["Body"]
         except Exception as exc:
             raise DataError(path, f"cannot read S3 object ({type(exc).__name__}: {exc})") from exc
-        yield from body.iter_chunks(_BLOCK)
+        yield from body.iter_chunks(BLOCK)
         return
     try:
         f = open(path, "rb")
@@ -123,7 +128,7 @@ def read_blocks(path: str, start: int = 0, end: int | None = None) -> Iterator[b
         while remaining is None or remaining > 0:
             try:
                 f.seek(start)
-                block = f.read(_BLOCK if remaining is None else min(_BLOCK, remaining))
+                block = f.read(BLOCK if remaining is None else min(BLOCK, remaining))
             except OSError as exc:
                 raise DataError(path, f"cannot read file at byte {start} ({exc.strerror})") from exc
             if not block:
@@ -152,30 +157,46 @@ def local_copy(path: str, dest_dir: str) -> str:
 
 
 def find_boundaries(ref: FileRef, sep: bytes, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Cut a file into byte ranges of about chunk_bytes that each end just after a `sep`.
+    """Cut a file into byte ranges of about chunk_bytes that each end just after a `sep`, at the
+    very places where `bytes.split(sep)` of the whole file would cut it.
 
     UTF-8 is self-synchronising, so a byte match of an encoded separator is always at a
-    character boundary and every range decodes on its own.
+    character boundary and every range decodes on its own. A separator that can overlap itself
+    ("\n\n" in a run of three newlines) is the catch: split pairs a run's newlines from its
+    start, so a match found mid-run may not be one split uses. A match is taken only when no
+    other match starts within the separator's length before it: then no match split uses can
+    cover it, and split, scanning on from the previous cut, takes it.
     """
     if ref.size <= chunk_bytes:
         return [(0, ref.size)]
     cuts = [0]
-    target = chunk_bytes
-    while target < ref.size:
-        pos, window, found = target, 1 << 16, -1
-        while pos < ref.size:
-            buf = read_range(ref.path, pos, window + len(sep) - 1)
-            i = buf.find(sep)
-            if i >= 0:
-                found = pos + i + len(sep)
-                break
-            pos += window
-        if found < 0 or found >= ref.size:
+    while cuts[-1] + chunk_bytes < ref.size:
+        found = _next_cut(ref, sep, cuts[-1], cuts[-1] + chunk_bytes)
+        if found is None or found >= ref.size:
             break
         cuts.append(found)
-        target = found + chunk_bytes
     cuts.append(ref.size)
     return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _next_cut(ref: FileRef, sep: bytes, prev_cut: int, target: int, window: int = 1 << 16) -> int | None:
+    """The end of the first match at or after `target` that split would use (see find_boundaries)."""
+    n = len(sep)
+    # Matches that could shadow one at `target` start up to n-1 bytes before it, never before the
+    # previous cut: split restarts there.
+    pos = max(prev_cut, target - (n - 1))
+    last = None  # start of the previous match seen, overlapping ones included
+    while pos < ref.size:
+        buf = read_range(ref.path, pos, window + n - 1)
+        i = buf.find(sep)
+        while 0 <= i < window:
+            at = pos + i
+            if at >= target and (last is None or at - last >= n):
+                return at + n
+            last = at
+            i = buf.find(sep, i + 1)
+        pos += window
+    return None
 
 
 def line_of(path: str, offset: int) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.data import outputs, storage
+from tasks.data import lease, outputs, storage
 from tasks.data.config import SourceConfig, TokenizerConfig
 from tasks.data.errors import DataError
 
@@ -48,7 +48,7 @@ def _file_digest(paths: list[str]) -> str:
 
 def _pretrained_files(path: str) -> list[str]:
     if not os.path.exists(path):
-        raise DataError(path, "tokenizer not found")
+        raise DataError(path, "tokenizer not found" + storage.relative_note(path))
     if os.path.isdir(path):
         return [os.path.join(path, f) for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))]
     return [path]
@@ -183,13 +183,16 @@ def resolve(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_
     out = output_dir(cfg, root, sources, chunk_bytes)
     key = os.path.basename(out).removeprefix("tokenizer-")
     if not outputs.is_done(out):
-        trained = _train(cfg, sources, chunk_bytes) if cfg.train is not None else None
-        with outputs.staging(out) as tmp:
-            if trained is not None:
-                _save(trained, _hf_config(cfg), tmp)
-            else:
-                _write_pretrained(cfg, tmp)
-            _info(tmp, cfg, key, trained=cfg.train is not None)  # fail before publishing a bad EOS
+        outputs.ensure_root(root)
+        with outputs.permanent_errors("cannot write the tokenizer"), lease.hold(out) as held:
+            if not outputs.is_done(out):  # else a concurrent run wrote it while we waited
+                trained = _train(cfg, sources, chunk_bytes) if cfg.train is not None else None
+                with outputs.staging(out, held) as tmp:
+                    if trained is not None:
+                        _save(trained, _hf_config(cfg), tmp)
+                    else:
+                        _write_pretrained(cfg, tmp)
+                    _info(tmp, cfg, key, trained=cfg.train is not None)  # fail before publishing a bad EOS
     return _info(out, cfg, key, trained=cfg.train is not None)
 
 

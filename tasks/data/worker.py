@@ -8,6 +8,7 @@ job's token ids, which `chunk_bytes` bounds.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,10 @@ Sink = Callable[[str, np.ndarray], None]
 def init_worker() -> None:
     # One process per core already; tokenizers' own threads would only contend with the others.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # A terminal's Ctrl-C reaches the whole process group. The parent decides what a stop means
+    # (tasks/data/interrupt.py) and terminates this process; a KeyboardInterrupt here would only
+    # come back to it as a job's result while the pool lived on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
