@@ -1,0 +1,273 @@
+"""`continued_pretraining`: keep a model current as new data arrives, and promote it only if it is better.
+
+1. The base is a registry version (default `models:/<registered_model>@champion`): its weights
+   start the run (`model.init_from`), and its checkpoint's optimizer state when the shapes match.
+2. Only input files no finished continued run of this model has consumed are used (tasks/ledger.py).
+   None: the run says "no new data since <run>" and trains and registers nothing.
+3. The run trains one stage over the new data plus a replay fraction of the recipe's own sources
+   (its last stage's mixture), with a rewarm-then-decay LR schedule, through the same
+   `run_pipeline` as `pretrain_pipeline`: the gauntlet every eval.every tokens, registration.
+4. The challenger (this run's best version) and the champion are scored now, on the same gauntlet
+   with the same code and seed, and the recipe's `promote` rule decides (tasks/promote.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
+
+from flows.evaluate import score_model
+from flows.pipeline import PipelineResult, RunTarget, run_pipeline
+from flows.prepare import prepare_sources
+from flows.recipe import Recipe, RecipeError, load_recipe
+from flows.runtime import prepare_process
+from tasks import ledger
+from tasks.artifacts import artifact_key
+from tasks.promote import Decision, champion_version, decide, record_decision
+from tasks.register import CHAMPION_ALIAS
+from tasks.tracking import client_for, resolved_uri, retrying
+
+
+class ContinueParams(RunTarget):
+    """The form of a continued-pretraining run (and `tessera continue`'s flags)."""
+
+    new_data: str = Field(
+        ..., min_length=1,
+        description="New data: a directory (every file under it), a glob, or an s3:// prefix. Files an earlier "
+        "continued run of this model consumed are skipped.",
+    )  # fmt: skip
+    base: str | None = Field(
+        None, description="Registry URI of the model to continue; default models:/<registered_model>@champion."
+    )
+    new_data_format: Literal["text", "jsonl"] = Field("text", description="How the new files are read.")
+    separator: str | None = Field("\n\n", description="text: split each file into documents on this; null: one per file.")
+    text_field: str = Field("text", description="jsonl: the field holding the document text.")
+    tokens: int | None = Field(
+        None, gt=0, description="Token budget; default one pass over the new data (plus the replay share)."
+    )
+    replay_fraction: float = Field(
+        0.2, ge=0, lt=1, description="Share of each batch drawn from the recipe's own sources, against forgetting."
+    )
+    lr: float | None = Field(None, gt=0, le=1, description="Peak LR of the rewarm; default the recipe's train.optim.lr.")
+    rewarm_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Share of the budget spent warming the LR back up from zero."
+    )
+    schedule: Literal["cosine", "linear"] = Field("cosine", description="Decay after the rewarm, to min_lr_ratio.")
+    min_gain: float | None = Field(None, description="Overrides the recipe's promote.min_gain.")
+    max_category_drop: float | None = Field(None, ge=0, description="Overrides the recipe's promote.max_category_drop.")
+    if_running: Literal["refuse", "wait"] = Field(
+        "refuse", description="When a run of the same name is live: refuse at once, naming it, or wait."
+    )
+
+
+class ContinueResult(BaseModel):
+    run_name: str
+    base: str = Field(..., description="The version continued, as models:/name/N.")
+    new_files: int
+    trained: bool
+    pipeline: PipelineResult | None = None
+    challenger: int | None = None
+    decision: Decision | None = None
+    champion: int | None = Field(None, description="The champion version after this run.")
+
+
+def _base_version(recipe: Recipe, base: str | None):
+    """(name, version) the base URI names; one line when it names nothing."""
+    from mlflow.exceptions import MlflowException
+
+    uri = base or f"models:/{recipe.tracking.registered_model}@{CHAMPION_ALIAS}"
+    ref = uri.removeprefix("models:/")
+    client = client_for(recipe.tracking)
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, _, number = ref.rpartition("/")
+            mv = client.get_model_version(name, number)
+    except MlflowException:
+        hint = " (run pretrain_pipeline first, or `tessera promote models:/NAME/N`)" if base is None else ""
+        raise RecipeError(f"base: {uri} names no model version in {recipe.tracking.tracking_uri}{hint}") from None
+    return mv
+
+
+def _pinned_tokenizer(recipe: Recipe, base_run_id: str) -> dict:
+    """The base run's tokenizer: a `train:` tokenizer would otherwise be retrained with the new data in it."""
+    raw = recipe.data.tokenizer.model_dump(mode="json")
+    if recipe.data.tokenizer.train is None:
+        return raw
+    import json
+    import tempfile
+
+    client = client_for(recipe.tracking)
+    with tempfile.TemporaryDirectory() as tmp:
+        job = json.loads(Path(client.download_artifacts(base_run_id, "recipe/job.json", tmp)).read_text())
+    return {**raw, "path": job["tokenizer_dir"], "train": None}
+
+
+def _per_step(recipe: Recipe) -> int:
+    return recipe.train.global_batch_size * recipe.data.seq_len
+
+
+def _derive(recipe: Recipe, params: ContinueParams, base_uri: str, source: dict, tokenizer: dict, budget: int,
+            base_mv) -> Recipe:  # fmt: skip
+    """The recipe of the continued run: one stage over the new source plus replay, from the base's weights."""
+    raw = recipe.model_dump(mode="json")
+    raw["data"]["sources"].append(source)
+    raw["data"]["tokenizer"] = tokenizer
+    replay = recipe.train.stages[-1].mixture
+    mixture = {source["name"]: 1.0 - params.replay_fraction}
+    if params.replay_fraction > 0:
+        mixture |= {name: params.replay_fraction * share for name, share in replay.items()}
+    per_step = _per_step(recipe)
+    rewarm = int(budget * params.rewarm_fraction) // per_step * per_step
+    raw["train"]["stages"] = [{"name": "continued", "tokens": budget, "mixture": mixture}]
+    raw["train"]["optim"] |= {
+        "lr": params.lr or recipe.train.optim.lr, "warmup_tokens": rewarm, "schedule": params.schedule,
+        "decay_tokens": budget,
+    }  # fmt: skip
+    checkpoint = base_mv.tags.get("checkpoint")
+    raw["model"]["init_from"] = base_uri
+    raw["train"]["init_optimizer_from"] = checkpoint if checkpoint else None
+    if recipe.eval.every > budget:  # at least the stage end is evaluated either way
+        raw["eval"]["every"] = budget
+    promote = recipe.promote.model_dump()
+    if params.min_gain is not None:
+        promote["min_gain"] = params.min_gain
+    if params.max_category_drop is not None:
+        promote["max_category_drop"] = params.max_category_drop
+    raw["promote"] = promote
+    try:
+        return Recipe.model_validate(raw)
+    except Exception as exc:  # noqa: BLE001 - the derived recipe failing means the inputs were inconsistent
+        raise RecipeError(f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}") from None
+
+
+@task(cache_policy=NO_CACHE)
+def promote_challenger(recipe: Recipe, run_name: str, run_id: str, challenger: int, max_seq_len: int
+                       ) -> tuple[Decision | None, int | None]:  # fmt: skip
+    """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
+    from evaluation.compare import render_comparison_html
+    from evaluation.report import compare_markdown
+
+    logger = get_run_logger()
+    name = recipe.tracking.registered_model
+    client = client_for(recipe.tracking)
+    champion = champion_version(client, name)
+    if champion is None or champion == str(challenger):
+        return None, int(champion) if champion else None
+    cfg = recipe.eval.model_copy(update={"strict": True, "max_seq_len": recipe.eval.max_seq_len or max_seq_len})
+    uri = resolved_uri(recipe.tracking.tracking_uri)
+    a = score_model.with_options(task_run_name=f"score-champion-v{champion}")(f"models:/{name}/{champion}", cfg, uri)
+    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(f"models:/{name}/{challenger}",
+                                                                                   cfg, uri)  # fmt: skip
+    decision = decide(a, b, recipe.promote)
+    record_decision(client, name, champion, str(challenger), decision, run_name)
+    verdict = (f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
+               f"{decision.summary()}; rule: {decision.rule}" + (f"; {'; '.join(decision.reasons)}" if decision.reasons
+                                                                 else ""))  # fmt: skip
+    markdown = f"# Promotion of {name} v{challenger}\n\n**{verdict}**\n\n" + compare_markdown(
+        a, b, f"champion v{champion}", f"challenger v{challenger}")
+    html = render_comparison_html(a, b, f"champion v{champion}", f"challenger v{challenger}",
+                                  f"{name}: champion v{champion} vs challenger v{challenger}", verdict)  # fmt: skip
+    create_markdown_artifact(key=artifact_key(run_name, "promotion"), markdown=markdown,
+                             description=f"Champion/challenger comparison of run {run_name}")  # fmt: skip
+    retrying("logging the promotion report", lambda: (
+        client.log_text(run_id, html, "promotion/comparison.html"),
+        client.log_text(run_id, markdown, "promotion/comparison.md"),
+        client.log_text(run_id, decision.model_dump_json(indent=1), "promotion/decision.json"),
+    ))  # fmt: skip
+    logger.info(verdict)
+    return decision, int(champion_version(client, name) or 0) or None
+
+
+def _default_run_name(recipe: Recipe, version: str, files: list[ledger.Consumed]) -> str:
+    """Deterministic from the base and the new files: a retry or rerun of the same continuation resumes it."""
+    digest = hashlib.sha256("\n".join(f"{p}|{s}|{v}" for p, s, v in sorted(f.key for f in files)).encode())
+    return f"{recipe.name}-cpt-v{version}-{digest.hexdigest()[:8]}"
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params")
+    params = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
+    return str(params.get("run_name") or f"continue-{Path(str(params.get('recipe', 'tessera'))).stem}")
+
+
+@flow(name="continued_pretraining", flow_run_name=_flow_run_name, log_prints=True)
+def continued_pretraining(params: ContinueParams) -> ContinueResult:
+    """Continue pretraining the champion on data that arrived since the last run; promote it only if better."""
+    prepare_process()
+    logger = get_run_logger()
+    recipe = load_recipe(params.recipe)
+    name = recipe.tracking.registered_model
+    # What is new comes first: a scheduled run with nothing new says so and ends, champion or not.
+    inputs = ledger.list_inputs(params.new_data)
+    seen, last_run = ledger.consumed(recipe.tracking, name)
+    fresh = ledger.new_inputs(inputs, seen)
+    if not fresh:
+        since = f"since {last_run}" if last_run else "(no continued run yet)"
+        message = f"no new data {since}: {len(inputs)} file(s) under {params.new_data}, all consumed; nothing trained"
+        logger.info(message)
+        create_markdown_artifact(key=artifact_key(recipe.name, "continued", "no-new-data"), markdown=f"{message}\n",
+                                 description=f"Continued pretraining of {name}")  # fmt: skip
+        champion = champion_version(client_for(recipe.tracking), name)
+        return ContinueResult(run_name=params.run_name or "", base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
+                              new_files=0, trained=False, champion=int(champion) if champion else None)  # fmt: skip
+    base_mv = _base_version(recipe, params.base)
+    name, version = base_mv.name, str(base_mv.version)
+    base_uri = f"models:/{name}/{version}"
+    run_name = params.run_name or _default_run_name(recipe, version, fresh)
+    logger.info("continuing %s (run %s) on %d new file(s) of %d under %s", base_uri, run_name, len(fresh), len(inputs),
+                params.new_data)  # fmt: skip
+
+    source_name = f"new-{run_name.rsplit('-', 1)[-1]}"
+    source = {"name": source_name, "kind": params.new_data_format, "paths": [f.path for f in fresh]}
+    source |= {"separator": params.separator} if params.new_data_format == "text" else {"text_field": params.text_field}
+    tokenizer = _pinned_tokenizer(recipe, base_mv.run_id)
+    budget = params.tokens or _one_pass(recipe, source, tokenizer, params.replay_fraction)
+    per_step = _per_step(recipe)
+    budget = max(per_step, budget // per_step * per_step)
+    continued = _derive(recipe, params, base_uri, source, tokenizer, budget, base_mv)
+    logger.info("continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
+                run_name, budget, 100 * params.replay_fraction, ", ".join(recipe.train.stages[-1].mixture),
+                continued.train.optim.lr, continued.train.optim.warmup_tokens, params.schedule)  # fmt: skip
+
+    result = run_pipeline(
+        continued, run_name, params.recipe, params.if_running,
+        run_tags={ledger.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
+                  "tessera.new_files": str(len(fresh))},
+        version_tags={"continued_from": f"v{version}"},
+    )  # fmt: skip
+    from tasks.register import best_of_run
+
+    client = client_for(continued.tracking)
+    best = retrying("finding the run's best version", lambda: best_of_run(client, name, result.mlflow_run_id))
+    challenger = int(best) if best else None
+    decision, champion = (None, None)
+    if challenger is not None:
+        decision, champion = promote_challenger(continued, run_name, result.mlflow_run_id, challenger,
+                                                continued.data.seq_len)  # fmt: skip
+    # Only now do the files count as consumed: a run that failed before here trains on them again.
+    ledger.record(continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh])
+    return ContinueResult(run_name=run_name, base=base_uri, new_files=len(fresh), trained=True, pipeline=result,
+                          challenger=challenger, decision=decision, champion=champion)  # fmt: skip
+
+
+def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: float) -> int:
+    """Tokens of one pass over the new data, grown by the replay share so the new data is seen once."""
+    data = recipe.data.model_copy(update={"sources": []})
+    raw = data.model_dump(mode="json") | {"sources": [source], "tokenizer": tokenizer}
+    from tasks.data.config import DataConfig
+
+    prepared = prepare_sources.with_options(flow_run_name="prepare-new-data")(DataConfig.model_validate(raw))
+    new_tokens = prepared.sources[source["name"]].tokens
+    return int(new_tokens / (1.0 - replay_fraction))
+

@@ -1,0 +1,113 @@
+"""Which input files continued pretraining has already consumed, kept in MLflow so it outlives any work dir.
+
+Each finished continued run logs `ledger/consumed.json` (the files it trained on, with their size
+and mtime or S3 ETag) and is tagged `tessera.continues_model=<registered model>`. The ledger of a
+model is the union over those runs: a file is new when no finished run consumed it with the
+same fingerprint, so an edited file counts as new data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from tasks.data import storage
+from tasks.data.errors import DataError
+from tasks.tracking_config import TrackingConfig
+
+LEDGER_ARTIFACT = "ledger/consumed.json"
+MODEL_TAG = "tessera.continues_model"
+
+
+class Consumed(BaseModel):
+    """One input file a continued run trained on."""
+
+    path: str = Field(..., description="Local path or s3:// URI.")
+    size: int = Field(..., description="Bytes.")
+    version: str = Field(..., description="mtime_ns locally, the ETag on S3.")
+    run: str = Field("", description="The continued run that consumed it.")
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return self.path, self.size, self.version
+
+
+def list_inputs(new_data: str) -> list[Consumed]:
+    """Files under a directory (recursively, hidden files skipped), matching a glob, or under an s3:// prefix.
+
+    An empty directory or a prefix with nothing under it is simply no new data; a path that does
+    not exist at all is a mistake and says so.
+    """
+    if storage.is_s3(new_data):
+        try:
+            refs = storage.expand([new_data])
+        except DataError as exc:
+            if "no S3 objects match" in str(exc):
+                return []
+            raise
+    elif os.path.isdir(new_data):
+        names = sorted(str(p) for p in Path(new_data).rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(new_data).parts))  # fmt: skip
+        refs = storage.expand(names) if names else []
+    elif any(c in new_data for c in "*?["):
+        try:
+            refs = storage.expand([new_data])
+        except DataError:
+            return []
+    elif os.path.isfile(new_data):
+        refs = storage.expand([new_data])
+    else:
+        raise DataError(new_data, f"new data: no such directory, file or glob (resolved against {os.getcwd()})")
+    return [Consumed(path=str(Path(r.path).resolve()) if not storage.is_s3(r.path) else r.path, size=r.size,
+                     version=r.version) for r in refs]  # fmt: skip
+
+
+def _client(tracking: TrackingConfig):
+    from tasks.tracking import client_for
+
+    return client_for(tracking)
+
+
+def consumed(tracking: TrackingConfig, registered_model: str) -> tuple[list[Consumed], str | None]:
+    """(every file consumed by a finished continued run of the model, the name of the latest such run)."""
+    client = _client(tracking)
+    experiment = client.get_experiment_by_name(tracking.experiment)
+    if experiment is None:
+        return [], None
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{MODEL_TAG}` = '{registered_model}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1000,
+    )
+    out: list[Consumed] = []
+    for run in runs:
+        with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
+            try:
+                local = client.download_artifacts(run.info.run_id, LEDGER_ARTIFACT, tmp)
+            except Exception:  # noqa: BLE001 - a finished run that trained nothing has no ledger
+                continue
+            out += [Consumed.model_validate(entry) for entry in json.loads(Path(local).read_text())]
+    latest = next((r.data.tags.get("tessera.run_name", r.info.run_name) for r in runs), None)
+    return out, latest
+
+
+def new_inputs(inputs: list[Consumed], seen: list[Consumed]) -> list[Consumed]:
+    done = {c.key for c in seen}
+    return [c for c in inputs if c.key not in done]
+
+
+def record(tracking: TrackingConfig, run_id: str, files: list[Consumed]) -> None:
+    """Log this run's consumed files; called only once the run has trained and registered them."""
+    from tasks.tracking import retrying
+
+    client = _client(tracking)
+    with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
+        path = Path(tmp) / Path(LEDGER_ARTIFACT).name
+        path.write_text(json.dumps([f.model_dump() for f in files], indent=1))
+        retrying("logging the data ledger", lambda: client.log_artifact(run_id, str(path),
+                                                                        str(Path(LEDGER_ARTIFACT).parent)))  # fmt: skip

@@ -1,0 +1,51 @@
+"""Continued pretraining starts Adam from the base checkpoint's moments only when they fit the model."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from trainers.optimizer_seed import seed_optimizer
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = torch.nn.Linear(4, width)
+        self.head = torch.nn.Linear(width, 1)
+
+
+def _checkpoint(tmp_path, width: int) -> str:
+    """A file shaped like a Composer checkpoint: optimizer state keyed by parameter name, as Composer saves it."""
+    torch.manual_seed(0)
+    net = Net(width)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net.head(net.body(torch.randn(8, 4))).sum().backward()
+    opt.step()
+    saved = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True))
+    path = tmp_path / f"w{width}.pt"
+    torch.save({"state": {"optimizers": {"AdamW": saved}}}, path)
+    return str(path), saved
+
+
+def test_matching_shapes_restore_the_moments_and_keep_the_new_lr(tmp_path):
+    path, saved = _checkpoint(tmp_path, 8)
+    net = Net(8)
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-4)
+    assert seed_optimizer(net, opt, path) == f"restored from {path}"
+    state = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    for name, moments in saved["state"].items():
+        assert torch.equal(state[name]["exp_avg"], moments["exp_avg"]), name
+        assert torch.equal(state[name]["exp_avg_sq"], moments["exp_avg_sq"]), name
+    assert [g["lr"] for g in opt.param_groups] == [5e-4]  # the continued run's schedule, not the base's
+
+
+def test_other_shapes_or_an_unreadable_file_start_fresh_and_say_why(tmp_path):
+    path, _ = _checkpoint(tmp_path, 8)
+    net = Net(16)
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-4)
+    assert seed_optimizer(net, opt, path) == (f"fresh: {path} has exp_avg of body.weight shaped (8, 4), "
+                                              "the model's is (16, 4)")  # fmt: skip
+    assert opt.state_dict()["state"] == {}
+    missing = str(tmp_path / "gone.pt")
+    assert seed_optimizer(net, opt, missing).startswith(f"fresh: cannot read the optimizer state of {missing}")
