@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed-stamp
 install: $(STAMP)
 
 # constraints.txt is the resolved lock: same versions on every machine, `pip check` clean.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,k8s]"
 	$(BIN)/pip check
 	touch $(STAMP)
 

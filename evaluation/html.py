@@ -33,6 +33,13 @@ def plot_png(history: History, title: str = "Gauntlet scores") -> bytes | None:
     ax.grid(alpha=0.3)
     if history:
         ax.legend(fontsize=8)
+    return figure_png(fig)
+
+
+def figure_png(fig) -> bytes:
+    """A finished matplotlib figure as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
@@ -51,14 +58,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render_html(report: GauntletReport, title: str, history: History | None = None) -> str:
-    parts = [
+def page_head(title: str) -> list[str]:
+    """The opening of a self-contained report page: styles and the title."""
+    return [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
         "</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
+    ]
+
+
+def render_html(report: GauntletReport, title: str, history: History | None = None) -> str:
+    parts = [
+        *page_head(title),
         f"<p><b>Headline average: {report.average:.4f}</b></p>",
     ]
     if report.averages or report.categories:

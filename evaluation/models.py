@@ -112,10 +112,24 @@ def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
         raise
     except Exception as exc:  # MlflowException for unknown names, versions or aliases
         raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
+    if (Path(local) / "MLmodel").is_file():
+        return _from_mlflow_model(Path(local), uri)
     hf_dir = _hf_dir_under(Path(local))
     if hf_dir is None:
         raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
     return _from_hf_dir(hf_dir, uri)
+
+
+def _from_mlflow_model(path: Path, source: str) -> LoadedModel:
+    """A model version registered as an MLflow Model (transformers flavor): model and tokenizer components."""
+    import mlflow.transformers
+
+    try:
+        parts = mlflow.transformers.load_model(str(path), return_type="components")
+    except Exception as exc:  # noqa: BLE001 - any flavor failure means this is not a model we can score
+        raise GauntletError(f"{source}: cannot load the MLflow transformers model: {str(exc).splitlines()[0]}") from exc
+    model = parts["model"].eval()
+    return LoadedModel(model, parts["tokenizer"], model_max_seq_len(model), source)
 
 
 def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:
@@ -124,6 +138,8 @@ def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:
         return _from_mlflow(spec, tracking_uri)
     path = Path(spec)
     if path.is_dir():
+        if (path / "MLmodel").is_file():
+            return _from_mlflow_model(path, spec)
         if not (path / "config.json").is_file():
             raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
         return _from_hf_dir(path, spec)

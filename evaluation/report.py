@@ -40,6 +40,21 @@ class GauntletReport:
     seconds: float = 0.0
 
     @property
+    def headline(self) -> str:
+        """Name of the headline score: the gauntlet's first named average, else `average_score`."""
+        return next(iter(self.averages), "average_score")
+
+    def score_of(self, name: str) -> float | None:
+        """A named average or category score, or the headline's when `name` is `average_score`."""
+        if name == "average_score" and not self.averages:
+            return self.average
+        return self.averages.get(name, self.categories.get(name))
+
+    def category_of(self) -> dict[tuple[str, int], str]:
+        """(task label, shots) -> the gauntlet category it counts in."""
+        return {(b.name, b.num_fewshot): b.category for b in self.benchmarks}
+
+    @property
     def average(self) -> float:
         """Headline score: the first named average, else the mean task score."""
         if self.averages:
@@ -79,13 +94,23 @@ class GauntletReport:
             lines += [f"| **{k}** | {v:.4f} |" for k, v in self.averages.items()]
             lines += [f"| {k} | {v:.4f} |" for k, v in self.categories.items()]
             lines.append("")
-        lines += ["| task | shots | type | examples | accuracy | baseline | score |", "|---|---:|---|---:|---:|---:|---:|"]
-        for r in self.table_rows():
-            base = "" if r["baseline"] is None else f"{r['baseline']:.2f}"
-            score = "" if r["score"] is None else f"{r['score']:.4f}"
-            lines.append(
-                f"| {r['task']} | {r['shots']} | {r['type']} | {r['examples']} | {r['accuracy']:.4f} | {base} | {score} |"
-            )
+        # One table per gauntlet category (tasks in no category last), as the gauntlet is read.
+        category_of = self.category_of()
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for t, row in zip(self.tasks, self.table_rows(), strict=True):
+            groups.setdefault(category_of.get((t.label, t.num_fewshot), ""), []).append(row)
+        for category in sorted(groups, key=lambda c: (c == "", c)):
+            score = self.categories.get(category)
+            heading = category or "not in a category"
+            lines += [f"### {heading}" + (f" ({score:.4f})" if score is not None else ""), ""]
+            lines += ["| task | shots | type | examples | accuracy | baseline | score |",
+                      "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+            for r in groups[category]:
+                base = "" if r["baseline"] is None else f"{r['baseline']:.2f}"
+                score_cell = "" if r["score"] is None else f"{r['score']:.4f}"
+                lines.append(f"| {r['task']} | {r['shots']} | {r['type']} | {r['examples']} | {r['accuracy']:.4f} | "
+                             f"{base} | {score_cell} |")  # fmt: skip
+            lines.append("")
         if self.skipped:
             lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in self.skipped.items())]
         if self.warnings:

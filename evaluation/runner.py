@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from evaluation.aggregate import aggregate, benchmark_score
 from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
+from evaluation.progress import EvalProgress
 from evaluation.prompts import PreparedSplit, Record, prepare_split, validate_records
 from evaluation.report import GauntletReport, TaskResult
 from evaluation.scoring import Throughput, generate_items, generation_correct, pad_id_of, score_choice_items
@@ -29,18 +31,20 @@ def _partitions(task: TaskSpec, records: list[Record]) -> dict[str | None, list[
     return {k: groups[k] for k in sorted(groups)}
 
 
-def score_split(model: Any, tokenizer: Any, task: TaskSpec, split: PreparedSplit, batch_size: int) -> tuple[float, Throughput]:
+def score_split(model: Any, tokenizer: Any, task: TaskSpec, split: PreparedSplit, batch_size: int,
+                on_batch: Callable[[int], None] | None = None) -> tuple[float, Throughput]:  # fmt: skip
     pad = pad_id_of(tokenizer)
     if split.kind == "generation_task_with_answers":
         outputs, stats = generate_items(
-            model, tokenizer, split.generation_items, batch_size, pad, split.max_new_tokens, task.early_stopping_criteria
+            model, tokenizer, split.generation_items, batch_size, pad, split.max_new_tokens, task.early_stopping_criteria,
+            on_batch,
         )
         hits = [
             generation_correct(o, it.answers, task.early_stopping_criteria, task.cot_delimiter, task.do_normalization)
             for o, it in zip(outputs, split.generation_items)
         ]
     else:
-        hits, stats = score_choice_items(model, split.choice_items, batch_size, pad, split.kind)
+        hits, stats = score_choice_items(model, split.choice_items, batch_size, pad, split.kind, on_batch=on_batch)
     return (sum(hits) / len(hits) if hits else 0.0), stats
 
 
@@ -92,10 +96,12 @@ def run_tasks(
     model.eval()
     results: list[TaskResult] = []
     total = Throughput()
+    progress = EvalProgress(sum(len(loaded[t.label]) * len(t.num_fewshot) for t in tasks if t.label in loaded))
     try:
         for task in tasks:
             if task.label not in loaded:
                 continue
+            progress.start_task(task.label)
             uri = found[task.label]
             parts = _partitions(task, loaded[task.label])
             for n in task.num_fewshot:
@@ -112,7 +118,8 @@ def run_tasks(
                         cfg.seed if task.fewshot_random_seed is None else task.fewshot_random_seed,
                         cat,
                     )
-                    acc, stats = score_split(model, tokenizer, task, split, task.batch_size or cfg.batch_size)
+                    acc, stats = score_split(model, tokenizer, task, split, task.batch_size or cfg.batch_size,
+                                             progress.advance)  # fmt: skip
                     total.add(stats)
                     accs.append(acc)
                     count += len(split)
@@ -122,6 +129,7 @@ def run_tasks(
                 results.append(TaskResult(task.label, n, task.icl_task_type, sum(accs) / len(accs), count, per_cat))
                 log.info("%s/%d-shot: %.4f over %d examples", task.label, n, results[-1].accuracy, count)
     finally:
+        progress.close()
         if was_training:
             model.train()
 

@@ -17,6 +17,7 @@ import re
 import string
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -226,7 +227,8 @@ def _worth_sharing(items: Sequence[ChoiceItem]) -> bool:
 
 
 def score_choice_items(
-    model: Any, items: Sequence[ChoiceItem], batch_size: int, pad_id: int, kind: str, share_prefix: bool = True
+    model: Any, items: Sequence[ChoiceItem], batch_size: int, pad_id: int, kind: str, share_prefix: bool = True,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[bool], Throughput]:
     """Correctness per item: LM accuracy for language_modeling, lowest perplexity otherwise."""
     device = _device(model)
@@ -257,6 +259,8 @@ def score_choice_items(
             else:
                 correct[i] = int(torch.argmin(perplexity[k : k + n])) == items[i].gold
             k += n
+        if on_batch is not None:
+            on_batch(len(batch))
     stats.seconds = time.perf_counter() - t0
     return correct, stats
 
@@ -321,6 +325,7 @@ def generate_items(
     pad_id: int,
     max_new_tokens: int,
     stops: Sequence[str],
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[str], Throughput]:
     """Greedy continuations, left-padded in length-sorted batches."""
     from transformers import StoppingCriteriaList
@@ -354,5 +359,7 @@ def generate_items(
         for k, text in enumerate(tokenizer.batch_decode(new, skip_special_tokens=True)):
             outputs[batch[k]] = text
         stats.tokens += int(mask.sum()) + int((new != pad_id).sum())
+        if on_batch is not None:
+            on_batch(len(batch))
     stats.seconds = time.perf_counter() - t0
     return outputs, stats

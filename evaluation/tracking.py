@@ -30,13 +30,18 @@ def _history(client, run_id: str, names: list[str]) -> dict[str, list[tuple[int,
     return out
 
 
-def log_report(tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str) -> LoggedReport:
-    """Log metrics with step = tokens seen, then the per-task table and reports under `eval/`."""
+def log_report(tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str,
+               timestamp_ms: int | None = None) -> LoggedReport:  # fmt: skip
+    """Log metrics with step = tokens seen, then the per-task table and reports under `eval/`.
+
+    Pass the same `timestamp_ms` when retrying after a tracking outage: MLflow stores a metric
+    point once per (key, value, timestamp, step), so a retried call adds no duplicate points.
+    """
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    now = int(time.time() * 1000)
+    now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     metrics = [Metric(metric_key(key), float(value), now, step) for key, value in report.metrics().items()]
     for i in range(0, len(metrics), 500):  # MLflow caps a batch at 1000 entries
         client.log_batch(run_id, metrics=metrics[i : i + 500])

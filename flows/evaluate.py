@@ -94,7 +94,15 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
             "report.html": render_html(report, f"Eval gauntlet: {params.model}"),
         }
         if comparison:
+            from evaluation.compare import compare_png, render_comparison_html
+
+            title = f"{params.compare_to} vs {params.model}"
             written["comparison.md"] = comparison
+            written["comparison.html"] = render_comparison_html(baseline, report, params.compare_to, params.model, title)
+            png = compare_png(baseline, report, params.compare_to, params.model)
+            if png is not None:
+                (out / "comparison.png").write_bytes(png)
+                files.append(str(out / "comparison.png"))
         for name, text in written.items():
             (out / name).write_text(text)
             files.append(str(out / name))

@@ -3,45 +3,68 @@
 The flow only sequences work. Training runs as an external job; while it runs, the flow
 watches the run's checkpoint manifests and gives every new checkpoint its own evaluate and
 register task runs, so training never waits for the gauntlet.
+
+Started from the Prefect UI, a schedule or the CLI alike, so it guards itself: one live flow run
+per run name (tasks/exclusive.py), the trainer stopped if the flow fails or is cancelled, and the
+MLflow run told how the flow run ended even when the flow process itself was killed (the crash
+and cancellation hooks, which Prefect's runner calls from outside it).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
+from typing import Literal
 
+import yaml
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.futures import PrefectFuture, wait
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel, Field
 
-from flows.prepare import prepare_data
-from flows.recipe import NAME_PATTERN, Recipe, load_recipe
-from infra import cancel_all
+from flows.prepare import prepare_recipe_data
+from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, load_recipe
+from flows.runtime import prepare_process
+from infra import allow_launches, cancel_all
 from tasks.evaluate import evaluate_checkpoint
+from tasks.exclusive import one_per_run, run_tag
 from tasks.register import (
     Registration,
     existing_registrations,
     move_aliases,
     register_checkpoint,
 )
-from tasks.tracking import close_run, open_run, resolved_uri
-from tasks.train import train_stage, write_job
+from tasks.tracking import close_run, find_run, open_run, record_run, resolved_uri, run_ui_url
+from tasks.train import deliver_metrics, train_stage, write_job
+from tasks.artifacts import artifact_key
 from trainers.checkpoints import CheckpointInfo, list_complete
 from trainers.config import MlflowTarget, TrainJob
 
 POLL_SECONDS = 2.0
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
-class PipelineParams(BaseModel):
-    """What the Prefect UI asks for when a run is triggered."""
+class RunTarget(BaseModel):
+    """The first two fields of every training form: which recipe, and which run of it."""
 
-    recipe: str = Field(..., description="Path to the recipe YAML (relative paths resolve against the worker's cwd).")
+    recipe: str = Field(
+        ..., min_length=1, description="Path to the recipe YAML (relative paths resolve against the worker's directory)."
+    )
     run_name: str | None = Field(
         None,
         pattern=NAME_PATTERN,
         description="Names the run; the same name resumes its checkpoints and MLflow run. Defaults to the recipe name.",
+    )
+
+
+class PipelineParams(RecipeOverrides, RunTarget):
+    """What the Prefect UI asks for when a run is triggered: a recipe, a run name and what to change in it."""
+
+    if_running: Literal["refuse", "wait"] = Field(
+        "refuse",
+        description="When a run of the same name is already live: refuse at once, naming it, or wait for it to end.",
     )
 
 
@@ -60,8 +83,13 @@ class _CheckpointWatcher:
     cannot delete it while it waits to be scored and exported.
     """
 
-    def __init__(self, recipe: Recipe, run_id: str, run_dir: Path):
-        self.recipe, self.run_id = recipe, run_id
+    def __init__(self, recipe: Recipe, run_id: str, run_dir: Path, run_name: str, remote_folder: str | None = None,
+                 version_tags: dict[str, str] | None = None):  # fmt: skip
+        self.recipe, self.run_id, self.run_name = recipe, run_id, run_name
+        # A version is a promotion candidate only if scored on the whole gauntlet: a missing task
+        # file fails its evaluation (and so skips its registration) instead of scoring a part of it.
+        self.eval_cfg = recipe.eval.model_copy(update={"strict": True})
+        self.remote_folder, self.version_tags = remote_folder, version_tags or {}
         self.pins = run_dir / "pins"
         self.seen: set[int] = set()
         self.pending: list[tuple[PrefectFuture, PrefectFuture, Path]] = []
@@ -69,13 +97,26 @@ class _CheckpointWatcher:
         self.already = existing_registrations(recipe.tracking, run_id)
 
     def sweep(self, save_folder: Path) -> None:
-        for ckpt in list_complete(save_folder):
+        for ckpt in self._complete(save_folder):
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
                 self._submit(ckpt)
         self._unpin_finished()
 
+    @property
+    def _in_pods(self) -> bool:
+        return self.recipe.compute.backend == "kubernetes"
+
+    def _complete(self, save_folder: Path) -> list[CheckpointInfo]:
+        if self._in_pods:  # the trainer's folder is in its pod: watch the s3 mirror
+            from trainers.remote import RemoteFolder
+
+            return RemoteFolder(self.remote_folder).complete()
+        return list_complete(save_folder)
+
     def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
+        if ckpt.path.startswith("s3://"):  # nothing local to pin; the evaluation pod reads it from s3
+            return ckpt
         self.pins.mkdir(parents=True, exist_ok=True)
         pin = self.pins / Path(ckpt.path).name
         try:
@@ -94,11 +135,17 @@ class _CheckpointWatcher:
             return
         previous = self.pending[-1] if self.pending else None
         summary = evaluate_checkpoint.submit(
-            pinned, self.recipe.eval, self.recipe.tracking, self.run_id, self.recipe.data.seq_len,
-            wait_for=[allow_failure(previous[0])] if previous else None,
+            pinned, self.eval_cfg, self.recipe.tracking, self.run_id, self.recipe.data.seq_len, self.run_name,
+            # in-process evaluations share the CPU with training: one at a time; pods are bounded by
+            # compute.kubernetes.eval_concurrency (a Prefect concurrency limit) instead
+            self.recipe.compute, wait_for=[allow_failure(previous[0])] if previous and not self._in_pods else None,
         )  # fmt: skip
+        # The version records where the checkpoint itself lives (not the pin, which goes once registered),
+        # so continued pretraining can find its optimizer state.
+        where = f"{self.remote_folder}/{Path(ckpt.path).name}" if self.remote_folder else ckpt.path
         registration = register_checkpoint.submit(
-            pinned, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(),
+            pinned, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(), self.remote_folder,
+            {**self.version_tags, "checkpoint": where},
             wait_for=[allow_failure(previous[1])] if previous else None,
         )  # fmt: skip
         self.pending.append((summary, registration, Path(pinned.path)))
@@ -119,39 +166,18 @@ class _CheckpointWatcher:
         return sorted(self.done, key=lambda r: r.tokens)
 
 
-def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, watcher: _CheckpointWatcher):
+def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, watcher: _CheckpointWatcher,
+                     holder: str) -> None:  # fmt: skip
     save_folder = Path(job.save_folder)
     for k, stage in enumerate(recipe.train.stages):
         training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
-            str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs")
+            str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder
         )
         while not wait([training], timeout=POLL_SECONDS).done:
             watcher.sweep(save_folder)
         training.result()
         watcher.sweep(save_folder)
-
-
-def _prepare_stage_lengths(recipe: Recipe, tokenizer_dir: str) -> dict[int, dict[str, str]]:
-    """Stages with their own seq_len read their sources packed at that length: prepare those too.
-
-    Each length is its own cached output (seq_len is part of a source's hash), so this costs one
-    tokenization per (source, length) and nothing on a rerun. The tokenizer is the one already
-    prepared, by path: a `train:` tokenizer would otherwise be retrained on the subset of sources.
-    """
-    wanted: dict[int, set[str]] = {}
-    for stage in recipe.train.stages:
-        if stage.seq_len and stage.seq_len != recipe.data.seq_len:
-            wanted.setdefault(stage.seq_len, set()).update(stage.mixture)
-    tokenizer = recipe.data.tokenizer
-    if tokenizer.train is not None:
-        tokenizer = tokenizer.model_copy(update={"path": tokenizer_dir, "train": None})
-    streams = {}
-    for seq_len, names in sorted(wanted.items()):
-        sources = [s for s in recipe.data.sources if s.name in names]
-        data = recipe.data.model_copy(update={"seq_len": seq_len, "sources": sources, "tokenizer": tokenizer})
-        prepared = prepare_data.with_options(flow_run_name=f"prepare-data-seq{seq_len}")(data)
-        streams[seq_len] = {name: str(src.path) for name, src in prepared.sources.items()}
-    return streams
+    deliver_metrics(job)
 
 
 def _local_save_folder(recipe: Recipe, run_name: str, run_dir: Path) -> Path:
@@ -162,25 +188,138 @@ def _local_save_folder(recipe: Recipe, run_name: str, run_dir: Path) -> Path:
     return Path(folder).resolve() / run_name
 
 
-@flow(name="pretrain_pipeline", log_prints=True)
-def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
-    logger = get_run_logger()
-    recipe = load_recipe(params.recipe)
-    run_name = params.run_name or recipe.name
-    run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
-
-    # first: a dead tracking server should stop the run before any compute is spent
-    run_id = open_run(
-        recipe.tracking,
-        run_name,
-        tags={"recipe_hash": recipe.content_hash(), "recipe": params.recipe},
-        params={"seq_len": str(recipe.data.seq_len), "n_layers": str(recipe.model.n_layers),
-                "d_model": str(recipe.model.d_model), "stages": ",".join(s.name for s in recipe.train.stages)},
-    )  # fmt: skip
-    status = "FAILED"
+def _git_sha() -> str:
     try:
-        prepared = prepare_data(recipe.data)
-        seq_len_streams = _prepare_stage_lengths(recipe, prepared.tokenizer.hf_dir)
+        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
+
+
+def _resolve(params: PipelineParams) -> tuple[Recipe, str]:
+    """The recipe with the form's overrides applied, and the run name: first thing, before anything runs."""
+    recipe = apply_overrides(load_recipe(params.recipe), params, params.recipe)
+    return recipe, params.run_name or recipe.name
+
+
+def _flow_run_name() -> str:
+    """Flow runs are named after the tessera run (`tiny`), not Prefect's random names."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params")
+    params = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
+    if params.get("run_name"):
+        return str(params["run_name"])
+    try:  # the recipe's own name; the flow itself reports a bad recipe properly
+        return str(yaml.safe_load(Path(params["recipe"]).read_text())["name"])
+    except Exception:  # noqa: BLE001
+        return Path(str(params.get("recipe", "tessera"))).stem or "tessera"
+
+
+def _tag_flow_run(flow_run_id: str | None, tags: list[str]) -> None:
+    if not flow_run_id:
+        return
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run_id).tags
+        client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tags)))
+
+
+def _record_end(flow, flow_run, state) -> None:
+    """on_crashed / on_cancellation: mark the MLflow run, even when the flow process is already gone.
+
+    Prefect's runner calls this from outside the dead flow process, so it rebuilds what it needs
+    from the flow run's parameters.
+    """
+    import logging
+
+    logger = logging.getLogger("tessera.pipeline")
+    try:
+        params = PipelineParams.model_validate(flow_run.parameters["params"])
+        recipe, run_name = _resolve(params)
+        run = find_run(recipe.tracking, run_name)
+        if run is None:
+            return
+        status = "KILLED" if state.is_cancelled() or state.is_cancelling() else "FAILED"
+        note = f"Prefect flow run {flow_run.name!r} ({flow_run.id}) {state.name}: {state.message or ''}".strip()
+        close_run.fn(recipe.tracking, run.info.run_id, status, note)
+    except Exception:  # noqa: BLE001 - a hook must never turn one failure into two
+        logger.warning("could not record the end of flow run %s in MLflow", flow_run.id, exc_info=True)
+
+
+# When the run is already failing, waiting out a long tracking outage only delays the real error.
+CLOSE_AFTER_FAILURE_S = 30.0
+
+
+def _close_after_failure(tracking, run_id: str, error: BaseException) -> None:
+    """Mark the MLflow run failed or killed without ever hiding, delaying long or replacing the error
+    that ended the flow (it is re-raised by the caller, whatever happens here)."""
+    cancelled = not isinstance(error, Exception)  # TerminationSignal, KeyboardInterrupt: a cancel or a signal
+    note = f"{'cancelled' if cancelled else 'failed'}: {type(error).__name__}: {error}"
+    try:
+        close_run.fn(tracking, run_id, "KILLED" if cancelled else "FAILED", note, CLOSE_AFTER_FAILURE_S)
+    except Exception as exc:  # noqa: BLE001
+        get_run_logger().warning("could not mark MLflow run %s as ended (%s); the error above is what failed", run_id,
+                                 exc)  # fmt: skip
+
+
+def run_pipeline(recipe: Recipe, run_name: str, recipe_path: str, if_running: Literal["refuse", "wait"] = "refuse",
+                 run_tags: dict[str, str] | None = None, version_tags: dict[str, str] | None = None) -> PipelineResult:  # fmt: skip
+    """Prepare, train every stage, evaluate and register each checkpoint; the body of every training flow.
+
+    `run_tags` go on the MLflow run, `version_tags` on every model version it registers (continued
+    pretraining records what it continued from).
+    """
+    from prefect.runtime import flow_run
+
+    logger = get_run_logger()
+    flow_run_id = flow_run.id
+    allow_launches()  # an earlier flow run in this same process may have stopped its jobs
+    _tag_flow_run(flow_run_id, ["tessera", f"recipe:{recipe.name}", run_tag(run_name)])
+    with one_per_run(run_name, if_running, flow_run_id):
+        return _run_exclusively(recipe, run_name, recipe_path, run_tags or {}, version_tags or {}, logger)
+
+
+def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: dict[str, str],
+                     version_tags: dict[str, str], logger) -> PipelineResult:  # fmt: skip
+    from prefect.runtime import flow_run
+
+    run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
+    flow_url = flow_run.ui_url or ""
+    tags = {
+        "recipe_hash": recipe.content_hash(),
+        "recipe": recipe_path,
+        "tessera.recipe_path": str(Path(recipe_path).resolve()),
+        "tessera.git_sha": (sha := _git_sha()),
+        "tessera.prefect.flow_run_id": str(flow_run.id or ""),
+        "tessera.prefect.flow_run_name": str(flow_run.name or ""),
+        "tessera.prefect.flow_run_url": flow_url,
+        # MLflow's own source tags: its UI shows them as the run's source and commit
+        "mlflow.source.type": "JOB",
+        "mlflow.source.name": "flows/pipeline.py:pretrain_pipeline",
+        "mlflow.source.git.commit": sha,
+        "mlflow.note.content": f"tessera run **{run_name}** of recipe `{recipe_path}`"
+                               + (f", Prefect flow run [{flow_run.name}]({flow_url})" if flow_url else ""),
+        **run_tags,
+    }
+    # first: a dead tracking server should stop the run before any compute is spent
+    run_id = open_run(recipe.tracking, run_name, tags=tags)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = run_dir / "recipe.yaml"
+        resolved.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+        changed = record_run(recipe.tracking, run_id, recipe.tracked_params(), {}, {"recipe": str(resolved)})
+        if changed:
+            logger.warning("run %s: %s differ from the values this MLflow run was started with; kept as "
+                           "tessera.param_changed.* tags", run_name, ", ".join(changed))  # fmt: skip
+        _link_mlflow_run(recipe, run_name, run_id)
+
+        data = prepare_recipe_data(recipe.data, recipe.train.stages)
+        prepared = data.prepared
         job = TrainJob(
             run_name=run_name,
             model=recipe.model,
@@ -189,7 +328,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             eos_token_id=prepared.tokenizer.eos_token_id,
             seq_len=recipe.data.seq_len,
             streams={name: str(src.path) for name, src in prepared.sources.items()},
-            seq_len_streams=seq_len_streams,
+            seq_len_streams=data.seq_len_streams,
             val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
             save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
             checkpoint_every_tokens=recipe.eval.every,
@@ -197,9 +336,11 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
         )
         job_path = write_job(job, run_dir / "job.json")
-        watcher = _CheckpointWatcher(recipe, run_id, run_dir)
+        record_run(recipe.tracking, run_id, {"data.vocab_size": str(job.vocab_size)}, {}, {"recipe": str(job_path)})
+        watcher = _CheckpointWatcher(recipe, run_id, run_dir, run_name, job.remote_folder, version_tags)
+        holder = f"flow run {flow_run.name!r} ({flow_run.id}{', ' + flow_url if flow_url else ''})"
         try:
-            _train_and_watch(recipe, job, job_path, run_dir, watcher)
+            _train_and_watch(recipe, job, job_path, run_dir, watcher, holder)
         except BaseException:
             # The stage runs in a task thread that Prefect cannot interrupt: stop its job here, so a
             # failed or interrupted flow never leaves a trainer writing into the run's folder.
@@ -209,9 +350,14 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
         if registrations:  # a rerun after a crash between registering and moving aliases heals here
             latest, best = move_aliases(recipe.tracking, run_id)
             registrations = [r.model_copy(update={"latest": latest, "best": best}) for r in registrations]
-        status = "FINISHED"
-    finally:
-        close_run(recipe.tracking, run_id, status)
+    except BaseException as error:
+        _close_after_failure(recipe.tracking, run_id, error)
+        raise
+    try:
+        close_run(recipe.tracking, run_id, "FINISHED")
+    except Exception as exc:  # noqa: BLE001 - the work is done and registered; only the status flag is stale
+        logger.warning("run %s finished, but MLflow run %s could not be closed (%s); a rerun closes it",
+                       run_name, run_id, exc)  # fmt: skip
 
     rows = "\n".join(f"| {r.tokens:,} | v{r.version} | {'new' if r.created else 'existing'} |" for r in registrations)
     summary = (
@@ -221,7 +367,45 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
         else "No checkpoint was registered."
     )
     create_markdown_artifact(
-        key="registered-versions", markdown=summary, description=f"Model versions registered by run {run_name}"
-    )
+        key=artifact_key(run_name, "registered-versions"), markdown=summary,
+        description=f"Model versions registered by run {run_name}",
+    )  # fmt: skip
     logger.info("run %s: %d versions registered", run_name, len(registrations))
     return PipelineResult(run_name=run_name, mlflow_run_id=run_id, registrations=registrations)
+
+
+def _link_mlflow_run(recipe: Recipe, run_name: str, run_id: str) -> None:
+    """A link artifact on the flow run, so the Prefect UI leads to the MLflow run in one click."""
+    from tasks.tracking import client_for
+
+    experiment_id = client_for(recipe.tracking).get_run(run_id).info.experiment_id
+    url = run_ui_url(recipe.tracking, run_id, experiment_id)
+    create_link_artifact(
+        link=url, link_text=f"MLflow run {run_name}", key=artifact_key(run_name, "mlflow-run"),
+        description=f"The MLflow run {run_id} holding this run's metrics, gauntlet reports and registered versions.",
+    )  # fmt: skip
+
+
+@flow(name="pretrain_pipeline", flow_run_name=_flow_run_name, log_prints=True,
+      on_crashed=[_record_end], on_cancellation=[_record_end])  # fmt: skip
+def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
+    """Prepare the recipe's data, train its curriculum, and evaluate and register every checkpoint."""
+    prepare_process()
+    recipe, run_name = _resolve(params)  # a bad recipe or override fails here, in one line
+    result = run_pipeline(recipe, run_name, params.recipe, params.if_running)
+    if result.registrations:
+        _bootstrap_champion(recipe, run_name, result)
+    return result
+
+
+def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:
+    """A model's first champion is its first run's best version; after that only the promotion rule moves it."""
+    from tasks.promote import bootstrap
+    from tasks.register import best_of_run
+    from tasks.tracking import client_for, retrying
+
+    name = recipe.tracking.registered_model
+    client = client_for(recipe.tracking)
+    best = retrying("finding the run's best version", lambda: best_of_run(client, name, result.mlflow_run_id))
+    if best and retrying("bootstrapping the champion", lambda: bootstrap(client, name, best, run_name)):
+        get_run_logger().info("%s: v%s is the first champion (bootstrap)", recipe.tracking.registered_model, best)

@@ -11,11 +11,12 @@ import json
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from evaluation.config import EvalConfig
-from infra.config import ComputeConfig
+from infra.config import Backend, ComputeConfig
 from tasks.data.config import DataConfig
+from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
 from trainers.config import ModelConfig, TrainConfig
 
@@ -40,6 +41,9 @@ class Recipe(BaseModel):
     eval: EvalConfig
     compute: ComputeConfig = Field(default_factory=ComputeConfig)
     tracking: TrackingConfig
+    promote: PromoteConfig = Field(
+        default_factory=PromoteConfig, description="When continued pretraining's best version replaces the champion."
+    )
 
     @field_validator("work_dir")
     @classmethod
@@ -52,6 +56,35 @@ class Recipe(BaseModel):
         """Stable hash of everything that defines the run; stored as the `recipe_hash` tag."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def tracked_params(self) -> dict[str, str]:
+        """What defines the run, flattened for MLflow params: model, optimizer, batch, stages, tokenizer, eval.
+
+        Stages are keyed by name (`stage.literary.tokens`), so appending a stage adds params rather
+        than renumbering them; data sources are named, their file lists live in the recipe artifact.
+        """
+        dump = self.model_dump(mode="json")
+        out: dict[str, str] = {"recipe": self.name, "data.seq_len": str(self.data.seq_len),
+                               "data.sources": ",".join(s.name for s in self.data.sources)}  # fmt: skip
+        tokenizer = dump["data"]["tokenizer"]
+        out["data.tokenizer"] = tokenizer["path"] or f"train:{json.dumps(tokenizer['train'], sort_keys=True)}"
+
+        def flatten(prefix: str, value) -> None:
+            if isinstance(value, dict):
+                for key, sub in value.items():
+                    flatten(f"{prefix}.{key}", sub)
+            elif value is not None:
+                out[prefix] = (json.dumps(value) if isinstance(value, list) else str(value))[:6000]
+
+        for section in ("model", "eval", "compute"):
+            flatten(section, dump[section])
+        train = {k: v for k, v in dump["train"].items() if k != "stages"}
+        flatten("train", train)
+        for stage in dump["train"]["stages"]:
+            name = stage.pop("name")
+            stage["mixture"] = ",".join(f"{src}:{p:g}" for src, p in stage["mixture"].items())
+            flatten(f"stage.{name}", stage)
+        return out
 
     def cross_check(self) -> None:
         """Checks that span sections: they are the one place two owners must agree."""
@@ -74,6 +107,15 @@ class Recipe(BaseModel):
                     ("train", "stages", i, "tokens"),
                     f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})",
                 )
+        if self.compute.backend == "kubernetes":
+            # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
+            for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):
+                if not (value or "").startswith("s3://"):
+                    raise _CrossCheckError(loc, f"{value}: must be an s3:// URI with compute.backend kubernetes "
+                                                "(pods share no disk with the flow or with each other)")  # fmt: skip
+            if not self.tracking.tracking_uri.startswith(("http://", "https://", "databricks")):
+                raise _CrossCheckError(("tracking", "tracking_uri"), f"{self.tracking.tracking_uri}: pods log to "
+                                       "MLflow over the network; use an http(s):// tracking server")  # fmt: skip
 
 
 class _CrossCheckError(Exception):
@@ -82,6 +124,15 @@ class _CrossCheckError(Exception):
     def __init__(self, loc: tuple, msg: str):
         super().__init__(msg)
         self.loc, self.msg = loc, msg
+
+
+def _check_tokenizer_path(recipe: Recipe) -> None:
+    # Found here, a missing tokenizer costs the user nothing; found by the prepare task, it costs
+    # Prefect's start-up first.
+    path = recipe.data.tokenizer.path
+    if path is not None and not Path(path).exists():
+        where = "" if Path(path).is_absolute() else f" (relative paths resolve against {Path.cwd()})"
+        raise _CrossCheckError(("data", "tokenizer", "path"), f"{path} does not exist{where}")
 
 
 def _locate(node: yaml.Node | None, loc: tuple) -> tuple[int | None, tuple]:
@@ -127,6 +178,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     try:
         recipe = Recipe.model_validate(raw)
         recipe.cross_check()
+        _check_tokenizer_path(recipe)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -149,3 +201,73 @@ def load_recipe(path: str | Path) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read recipe: {exc}") from None
     return parse_recipe(text, str(path))
+
+
+class RecipeOverrides(BaseModel):
+    """Fields a person changes from the Prefect form without editing the recipe; null keeps the recipe's value.
+
+    Bounds are JSON-schema constraints, so the UI (and a deployment's enforced parameter schema)
+    rejects a bad value before any infrastructure starts; the recipe's own validation runs after.
+    """
+
+    stage_tokens: dict[str, PositiveInt] | None = Field(
+        None,
+        description="Token budget per curriculum stage, by stage name, e.g. {\"literary\": 65536}; "
+        "each must stay a multiple of that stage's global_batch_size x seq_len.",
+    )
+    lr: float | None = Field(None, gt=0, le=1, description="Peak learning rate (train.optim.lr).")
+    eval_every: PositiveInt | None = Field(
+        None, description="Tokens between checkpoints; each is evaluated and registered (eval.every)."
+    )
+    backend: Backend | None = Field(None, description="Where training runs (compute.backend).")
+    procs_per_node: int | None = Field(
+        None, ge=1, le=64, description="Training processes (ranks) per node (compute.procs_per_node)."
+    )
+    tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking and registry URI (tracking.tracking_uri), e.g. http://127.0.0.1:5000.",
+    )
+
+    def updates(self) -> dict[tuple[str, ...], object]:
+        """The recipe paths this form changes, and their new values."""
+        fields = {
+            ("train", "optim", "lr"): self.lr,
+            ("eval", "every"): self.eval_every,
+            ("compute", "backend"): self.backend,
+            ("compute", "procs_per_node"): self.procs_per_node,
+            ("tracking", "tracking_uri"): self.tracking_uri,
+        }
+        out = {path: value for path, value in fields.items() if value is not None}
+        for stage, tokens in (self.stage_tokens or {}).items():
+            out[("train", "stages", stage, "tokens")] = tokens
+        return out
+
+
+def apply_overrides(recipe: Recipe, overrides: RecipeOverrides, source: str = "<recipe>") -> Recipe:
+    """A new Recipe with the form's values in place, validated as a whole like the YAML was."""
+    updates = overrides.updates()
+    if not updates:
+        return recipe
+    raw = recipe.model_dump(mode="json")
+    shown = ", ".join(f"{'.'.join(path)}={value}" for path, value in updates.items())
+    where = f"{source} (overrides: {shown})"
+    stages = {stage["name"]: i for i, stage in enumerate(raw["train"]["stages"])}
+    for path, value in updates.items():
+        node = raw
+        for key in path[:-1]:
+            if isinstance(node, list):  # stages are addressed by name in the form, by index in the recipe
+                if key not in stages:
+                    raise RecipeError(f"{where}: stage_tokens: no stage named {key!r} (stages: {', '.join(stages)})")
+                key = stages[key]
+            node = node[key]
+        node[path[-1]] = value
+    try:
+        edited = Recipe.model_validate(raw)
+        edited.cross_check()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise RecipeError(f"{where}: {_dotted(err['loc'])}: {err['msg'].removeprefix('Value error, ')}") from None
+    except _CrossCheckError as exc:
+        raise RecipeError(f"{where}: {_dotted(exc.loc)}: {exc.msg}") from None
+    return edited

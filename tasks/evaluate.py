@@ -1,9 +1,13 @@
 """Score one checkpoint on the gauntlet, log it to the training run, and leave a markdown artifact.
 
-The pipeline submits one of these per checkpoint while training goes on, on CPU.
+The pipeline submits one of these per checkpoint while training goes on: in this process with the
+local backend; with the kubernetes backend in a one-pod GPU Job (`python -m evaluation`), at most
+compute.kubernetes.eval_concurrency at once, so the flow never loads the model itself.
 """
 
 from __future__ import annotations
+
+import time
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -12,10 +16,13 @@ from pydantic import BaseModel, Field
 
 from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
+from infra.config import ComputeConfig
+from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless
-from tasks.tracking import resolved_uri
+from tasks.tracking import resolved_uri, retrying
 from tasks.tracking_config import TrackingConfig
 from trainers.checkpoints import CheckpointInfo
+from trainers.mlflow_model import model_uri_for
 
 
 class EvalSummary(BaseModel):
@@ -25,15 +32,15 @@ class EvalSummary(BaseModel):
     stage: str = Field(..., description="Curriculum stage that produced the checkpoint.")
     checkpoint: str = Field(..., description="Checkpoint file that was scored.")
     average: float = Field(..., description="Headline score: the gauntlet's first named average.")
+    headline: str = Field("average_score", description="Name of the headline score (e.g. core_average).")
+    model_uri: str | None = Field(
+        None, description="The checkpoint already packaged as an MLflow Model at this URI (by an evaluation pod)."
+    )
+    gauntlet_hash: str = Field("", description="Identity of the gauntlet that produced the scores (evaluation.identity).")
     metrics: dict[str, float] = Field(..., description="icl/<task>/<n>-shot, gauntlet/<category>, gauntlet/<average>.")
     report_json: str | None = Field(None, description="Run-relative artifact path of the report JSON.")
     report_html: str | None = Field(None, description="Run-relative artifact path of the HTML report.")
     table: str | None = Field(None, description="Run-relative artifact path of the per-task MLflow table.")
-
-
-def artifact_key(tokens: int) -> str:
-    # Prefect artifact keys allow only lowercase letters, digits and dashes.
-    return f"gauntlet-tok-{tokens:012d}"
 
 
 # Retry crashes and flaky I/O, not a malformed task file: that fails the same way every time.
@@ -50,19 +57,29 @@ retry_unless_bad_input = retry_unless(GauntletError)
     task_run_name="evaluate-tok-{checkpoint.tokens}",
 )
 def evaluate_checkpoint(
-    checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str, max_seq_len: int
+    checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str, max_seq_len: int,
+    run_name: str = "", compute: ComputeConfig | None = None,
 ) -> EvalSummary:
+    if compute is not None and compute.backend == "kubernetes":
+        return _evaluate_in_pod(checkpoint, cfg, tracking, run_id, max_seq_len, run_name, compute)
     from evaluation.models import load_model
     from evaluation.runner import run_gauntlet
     from evaluation.tracking import log_report
+
+    from evaluation.identity import gauntlet_hash
 
     logger = get_run_logger()
     loaded = load_model(checkpoint.path)
     report = run_gauntlet(loaded.model, loaded.tokenizer, cfg, max_seq_len)
     title = f"Gauntlet at {checkpoint.tokens:,} tokens (stage {checkpoint.stage})"
-    paths = log_report(resolved_uri(tracking.tracking_uri), run_id, report, step=checkpoint.tokens, title=title)
+    stamp = int(time.time() * 1000)  # one timestamp for every attempt: a retried log adds no duplicate points
+    paths = retrying(
+        f"logging the gauntlet at {checkpoint.tokens} tokens",
+        lambda: log_report(resolved_uri(tracking.tracking_uri), run_id, report, step=checkpoint.tokens, title=title,
+                           timestamp_ms=stamp),
+    )  # fmt: skip
     create_markdown_artifact(
-        key=artifact_key(checkpoint.tokens),
+        key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
         markdown=report.to_markdown(title),
         description=f"Eval gauntlet of {checkpoint.path}",
     )
@@ -72,8 +89,66 @@ def evaluate_checkpoint(
         stage=checkpoint.stage,
         checkpoint=checkpoint.path,
         average=report.average,
+        headline=report.headline,
+        gauntlet_hash=gauntlet_hash(cfg),
         metrics=report.metrics(),
         report_json=paths.json,
         report_html=paths.html,
         table=paths.table,
     )
+
+
+EVAL_PODS_LIMIT = "tessera-eval-pods"  # Prefect global concurrency limit: evaluation pods running at once
+
+
+def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str,
+                     max_seq_len: int, run_name: str, compute: ComputeConfig) -> EvalSummary:  # fmt: skip
+    """The gauntlet in its own pod, through the training launcher; the pod logs to MLflow, this reads its summary."""
+    import tempfile
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from evaluation.__main__ import EXIT_BAD_INPUT, parse_summary
+    from infra import backend_for
+
+    logger = get_run_logger()
+    args = ["--checkpoint", checkpoint.path, "--tasks", cfg.tasks, "--data-root", cfg.data_root,
+            "--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed), "--context-len", str(max_seq_len),
+            "--tracking-uri", resolved_uri(tracking.tracking_uri), "--run-id", run_id,
+            "--step", str(checkpoint.tokens), "--stage", checkpoint.stage,
+            "--timestamp-ms", str(int(time.time() * 1000)),
+            # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
+            "--package-to", model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens)]  # fmt: skip
+    args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
+    args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
+    args += ["--strict"] if cfg.strict else []
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(EVAL_PODS_LIMIT, compute.kubernetes.eval_concurrency)
+    log_dir = Path(tempfile.gettempdir()) / "tessera-eval" / (run_name or run_id)
+    with concurrency(EVAL_PODS_LIMIT, occupy=1, strict=True):
+        job = backend_for(compute).launch_one("evaluation", args, run=run_name or run_id, tokens=checkpoint.tokens,
+                                              log_dir=log_dir)  # fmt: skip
+        logger.info("gauntlet of %s: pod log at %s", checkpoint.path, job.log_path)
+        try:
+            code = job.wait()
+        finally:
+            job.cancel()
+    lines = job.tail().splitlines()
+    if code != 0:
+        logger.error("evaluation pod of %s failed:\n%s", checkpoint.path, "\n".join(lines[-200:]))
+        error = GauntletError if code == EXIT_BAD_INPUT else RuntimeError
+        raise error(f"evaluation of {checkpoint.path} exited {code}: {lines[-1] if lines else ''}")
+    summary = next((s for s in map(parse_summary, reversed(lines)) if s is not None), None)
+    if summary is None:
+        raise RuntimeError(f"evaluation pod of {checkpoint.path} ended without its summary line, see {job.log_path}")
+    create_markdown_artifact(
+        key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
+        markdown=summary["markdown"], description=f"Eval gauntlet of {checkpoint.path}",
+    )  # fmt: skip
+    logger.info("gauntlet at %s tokens: average %.4f (%d examples in %.1fs, in pod)", f"{checkpoint.tokens:,}",
+                summary["average"], summary["examples"], summary["seconds"])  # fmt: skip
+    return EvalSummary(tokens=checkpoint.tokens, stage=checkpoint.stage, checkpoint=checkpoint.path,
+                       **{k: summary[k] for k in ("average", "headline", "gauntlet_hash", "metrics", "report_json",
+                                                  "report_html", "table", "model_uri")})  # fmt: skip

@@ -16,3 +16,10 @@ class TrackingConfig(BaseModel):
     )
     experiment: str = Field("tessera", description="MLflow experiment name.")
     registered_model: str = Field(..., description="Registered model that receives one version per checkpoint.")
+    register_by_reference_above_mb: float = Field(
+        2048.0,
+        ge=0,
+        description="Versions whose weights exceed this many MiB are registered by reference to the run's object "
+        "storage (train.save_folder: s3://...) instead of being copied into the MLflow artifact store; runs with a "
+        "local save folder always copy.",
+    )

@@ -1,26 +1,37 @@
 """Train one curriculum stage as a job on the recipe's compute backend.
 
-The job itself (`python -m trainers.train`) resumes from the run's save folder, so a Prefect
-retry of this task is a relaunch that continues where the dead job stopped.
+The job itself (`python -m trainers.train`) resumes from the run's save folder, so every relaunch
+continues where the dead job stopped. Two budgets decide whether to relaunch, because being
+stopped from outside says nothing about the run while a crash may well repeat:
+
+- preempted (relaunched here, up to `compute.max_preemptions` times): a rank killed by a signal
+  (eviction, a lost node, the OOM killer, kill -9) or the trainer's exit 76 after a SIGTERM;
+- failed (a Prefect retry of this task, up to `compute.max_restarts` times): the trainer's
+  retryable exit 75 (lost peer collectives, timeouts, a loss-anomaly rollback) or any other crash;
+- fatal (no retry): exit 78 (bad job, divergence, an edited stage, a run already being trained)
+  and 2 (usage).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import time
 from pathlib import Path
+from typing import Literal
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from infra import backend_for
+from infra import backend_for, stopping
 from infra.config import ComputeConfig
 from tasks.retry import retry_unless
+from tasks.train_progress import ProgressRelay
 from trainers.config import TrainJob
-from trainers.exit_codes import FATAL
+from trainers.exit_codes import FATAL, INTERRUPTED
 
 USAGE_ERROR = 2  # argparse
+POLL_SECONDS = 1.0
+PREEMPTION_DELAY_S = 2.0  # let the dead job's ports and shared memory go before the relaunch takes them
 
 
 class TrainingFailed(RuntimeError):
@@ -31,8 +42,30 @@ class TrainingFatal(TrainingFailed):
     """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
 
 
+class TrainingStopped(TrainingFailed):
+    """The flow itself stopped the job (it failed elsewhere, or was cancelled); nothing to retry here."""
+
+
+class PreemptionBudgetSpent(TrainingFailed):
+    """Stopped from outside more than compute.max_preemptions times; a rerun resumes, a retry would not help now."""
+
+
+def exit_kind(code: int) -> Literal["ok", "preempted", "failed", "fatal"]:
+    """Which budget a job's exit code draws on (see the module docstring)."""
+    if code == 0:
+        return "ok"
+    if code in FATAL or code == USAGE_ERROR:
+        return "fatal"
+    if code < 0 or code >= 128 or code in INTERRUPTED:  # Popen reports -N, shells 128+N, for signal N
+        return "preempted"
+    return "failed"
+
+
 def write_job(job: TrainJob, path: Path) -> Path:
     """Publish the job spec atomically: a pod must never read half a file."""
+    import os
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".job-", suffix=".json")
     with os.fdopen(fd, "w") as f:
@@ -41,26 +74,84 @@ def write_job(job: TrainJob, path: Path) -> Path:
     return path
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal), cache_policy=NO_CACHE)
-def train_stage(job_path: str, stage_index: int, stage_name: str, compute: ComputeConfig, log_dir: str) -> int:
-    """Run stage `stage_index` of the job to its end; returns the job's exit code (0)."""
-    logger = get_run_logger()
-    backend = backend_for(compute)
-    job = backend.launch(
-        "trainers.train", ["--job", job_path, "--stage", str(stage_index)], log_dir=Path(log_dir) / stage_name
-    )
-    logger.info("stage %s: launched %d rank(s), log at %s", stage_name, compute.procs_per_node, job.log_path)
+def _run_once(job, relay: ProgressRelay) -> int:
+    """Wait for one launch to end, relaying its progress; the job never outlives this call."""
     try:
+        while job.poll() is None:
+            relay.feed(job.new_output())
+            time.sleep(POLL_SECONDS)
         code = job.wait()
+        relay.feed(job.new_output())
+        return code
     finally:
         job.cancel()
-    if code != 0:
-        # Signals (a node lost, an OOM kill) and unknown crashes resume from the last checkpoint;
-        # only the trainer's fatal codes and usage errors would fail the same way again.
-        retryable = code not in FATAL and code != USAGE_ERROR
-        error = TrainingFailed if retryable else TrainingFatal
-        kind = "retryable" if retryable else "fatal"
+        relay.close()
+
+
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent, TrainingStopped), cache_policy=NO_CACHE,
+      task_run_name="train-{stage_name}")  # fmt: skip
+def train_stage(
+    job_path: str,
+    stage_index: int,
+    stage_name: str,
+    compute: ComputeConfig,
+    log_dir: str,
+    run_name: str = "",
+    holder: str = "",
+) -> int:
+    """Run stage `stage_index` of the job to its end; returns the job's exit code (0).
+
+    `holder` names this flow run in the trainer's lease, so a second trainer of the same run
+    says who is training it.
+    """
+    logger = get_run_logger()
+    backend = backend_for(compute)
+    preemptions = 0
+    while True:
+        job = backend.launch(
+            "trainers.train",
+            ["--job", job_path, "--stage", str(stage_index)],
+            log_dir=Path(log_dir) / stage_name,
+            env={"TESSERA_HOLDER": holder} if holder else None,
+        )
+        logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
+        code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))
+        preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
+        kind = exit_kind(code)
+        if kind == "ok":
+            return code
+        if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
+            raise TrainingStopped(f"stage {stage_name}: the trainer was stopped because its flow run is ending")
         last = next((line for line in reversed(job.tail().splitlines()) if line.strip()), "")
+        if kind == "preempted" and preemptions < compute.max_preemptions:
+            preemptions += 1
+            logger.warning(
+                "stage %s: the job was stopped from outside (exit %d: %s); relaunching from the last checkpoint "
+                "(preemption %d of compute.max_preemptions=%d)",
+                stage_name, code, last[:200], preemptions, compute.max_preemptions,
+            )  # fmt: skip
+            time.sleep(PREEMPTION_DELAY_S)
+            continue
+        error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
-        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}), see {job.log_path}: {last[:300]}")
-    return code
+        budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
+        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: "
+                    f"{last[:300]}")  # fmt: skip
+
+
+@task(cache_policy=NO_CACHE)
+def deliver_metrics(job: TrainJob) -> int:
+    """After the last stage: deliver the trainer's metrics that a tracking outage held back; returns rows left.
+
+    Each launch delivers what an earlier one left, but after the last stage no launch follows, so
+    the flow does it, within the trainer's own bounded wait.
+    """
+    from trainers.metrics_outbox import deliver_pending
+
+    if job.mlflow is None:
+        return 0
+    left = deliver_pending(job.mlflow, job.save_folder, job.run_name)
+    if left:
+        get_run_logger().warning("%d metric rows of run %s could not reach MLflow yet; they stay in %s and the next "
+                                 "launch of this run delivers them", left, job.run_name, job.save_folder)  # fmt: skip
+    return left

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -52,3 +59,212 @@ def moto_s3(monkeypatch):
         monkeypatch.setenv(k, v)
     yield boto3.client("s3", endpoint_url=url)
     server.stop()
+
+
+# --- a live `tessera up` stack, shared by the session --------------------------------------------------
+
+
+def free_port() -> int:
+    """A localhost port nobody listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
+    """configs/tiny.yaml with its work dir, data root, MLflow store and artifacts under `base`."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw["work_dir"] = str(base / "work")
+    raw["data"]["root"] = str(data_root or base / "work" / "data")
+    raw["tracking"]["tracking_uri"] = f"sqlite:///{base / 'mlflow.db'}"
+    raw["tracking"]["artifact_location"] = str(base / "mlartifacts")
+    path = base / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def _die_with_parent() -> None:
+    # if pytest itself is killed, its `tessera up` gets a SIGTERM and takes its stack down with it
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def start_tessera_up(recipe: Path, work_dir: Path, *args: str) -> tuple[subprocess.Popen, int, int, Path]:
+    """`tessera up RECIPE` on free ports as a child of this process; returns it, its two ports, its output file."""
+    prefect_port, mlflow_port = free_port(), free_port()
+    output = work_dir.parent / f"tessera-up-{prefect_port}.out"
+    with open(output, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "up", str(recipe), "--work-dir", str(work_dir),
+             "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port), *args],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # The weekly continued-pretraining schedule must not fire into a test session (it would train
+            # the repo's own configs/tiny.yaml); the tests read the schedule, they do not wait for it.
+            env={**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"},
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+    return process, prefect_port, mlflow_port, output
+
+
+def stop_tree(procs, grace: float = 15.0) -> None:
+    """SIGTERM these psutil processes, SIGKILL what is left after `grace` seconds."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class LiveStack:
+    """A running `tessera up`: where it serves, its process, and helpers that know its process layout.
+
+    Layout: `tessera up` -> `prefect server start`, `mlflow server` (-> uvicorn), `prefect worker start`
+    -> one process per flow run (`python -m prefect.engine`, in its own session, PREFECT__FLOW_RUN_ID in
+    its environment) -> the trainer's launcher (its own session) -> ranks. Trainers inherit
+    PREFECT__FLOW_RUN_ID too; the flow-run process is the topmost one carrying it. `state` is
+    `<work_dir>/up/state.json`: pids, argv, the env tessera sets and the log of every service.
+    """
+
+    api_url: str
+    ui_url: str
+    mlflow_url: str
+    work_dir: Path
+    recipe: Path
+    process: subprocess.Popen
+    env: dict[str, str]  # for Prefect clients, on top of os.environ: PREFECT_API_URL
+    state: dict = field(default_factory=dict)
+    output: Path | None = None  # what tessera up printed
+    restarted_mlflow: subprocess.Popen | None = None  # the MLflow mlflow_start() runs, if any
+
+    @property
+    def worker_pid(self) -> int:
+        return self.state["services"]["prefect-worker"]["pid"]
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until the API, an online worker, MLflow and every prefect.yaml deployment answer."""
+        import httpx
+
+        from flows.deploy import load_project
+
+        wanted = set(load_project().deployments)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"tessera up exited ({self.process.returncode}):\n{self.output.read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                online = httpx.post(f"{self.api_url}/work_pools/tessera-local/workers/filter", timeout=5,
+                                    json={"workers": {"status": {"any_": ["ONLINE"]}}, "limit": 10, "offset": 0})
+                deployed = httpx.post(f"{self.api_url}/deployments/filter", json={"limit": 200}, timeout=5)
+                state_file = self.work_dir / "up" / "state.json"
+                if (online.status_code == 200 and online.json() and deployed.status_code == 200
+                        and wanted <= {d["name"] for d in deployed.json()}
+                        and answers(f"{self.mlflow_url}/health") and state_file.exists()):  # fmt: skip
+                    self.state = json.loads(state_file.read_text())
+                    return
+            if time.monotonic() > deadline:
+                pytest.fail(f"tessera up not ready after {timeout:.0f} s:\n{self.output.read_text()}")
+            time.sleep(1.0)
+
+    def mlflow_stop(self, timeout: float = 30.0) -> None:
+        """Stop the MLflow server (tessera up's, or the one mlflow_start() began); tessera up keeps running."""
+        import psutil
+
+        if self.restarted_mlflow is not None:
+            pid, parent, self.restarted_mlflow = self.restarted_mlflow.pid, os.getpid(), None
+        else:
+            pid, parent = self.state["services"]["mlflow"]["pid"], self.process.pid
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            if root.ppid() == parent:  # still that MLflow, not a process that got its pid after it exited
+                stop_tree([root] + root.children(recursive=True))
+        deadline = time.monotonic() + timeout
+        while answers(f"{self.mlflow_url}/health"):
+            assert time.monotonic() < deadline, f"MLflow at {self.mlflow_url} still answers"
+            time.sleep(0.5)
+
+    def mlflow_start(self, timeout: float = 120.0) -> None:
+        """Start MLflow again on the same port and store, as tessera up did; stopped by mlflow_stop() or teardown."""
+        service = self.state["services"]["mlflow"]
+        with open(service["log"], "ab") as out:
+            self.restarted_mlflow = subprocess.Popen(
+                service["argv"], cwd=service["cwd"], env={**os.environ, **service["env"]},
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not answers(f"{self.mlflow_url}/health"):
+            assert self.restarted_mlflow.poll() is None, f"MLflow exited; see {service['log']}"
+            assert time.monotonic() < deadline, f"MLflow not up after {timeout:.0f} s; see {service['log']}"
+            time.sleep(0.5)
+
+    def flow_run_pid(self, flow_run_id, timeout: float = 0.0) -> int | None:
+        """The pid of the process running flow run `flow_run_id` (waits up to `timeout` s for it to start)."""
+        import psutil
+
+        deadline = time.monotonic() + timeout
+        while True:
+            carrying = {}  # pid -> parent pid, of every descendant whose environment names the run
+            for proc in psutil.Process(self.process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if proc.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id):
+                        carrying[proc.pid] = proc.ppid()
+            top = [pid for pid, parent in carrying.items() if parent not in carrying]
+            if top or time.monotonic() >= deadline:
+                return top[0] if top else None
+            time.sleep(0.5)
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.restarted_mlflow is not None:
+            self.mlflow_stop()
+
+
+@pytest.fixture(scope="session")
+def live_stack(tmp_path_factory):
+    """The real `tessera up` (server, worker, MLflow, deployments) on free localhost ports, under a tmp dir."""
+    base = tmp_path_factory.mktemp("live_stack")
+    recipe = tiny_recipe(base)
+    process, prefect_port, mlflow_port, output = start_tessera_up(recipe, base / "work")
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    stack = LiveStack(api_url=api, ui_url=f"http://127.0.0.1:{prefect_port}", mlflow_url=f"http://127.0.0.1:{mlflow_port}",
+                      work_dir=base / "work", recipe=recipe, process=process, env={"PREFECT_API_URL": api}, output=output)  # fmt: skip
+    try:
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_stray_tracking_store():
+    """MLflow 3 falls back to ./mlflow.db when a tracking URI is missing; no code path of ours may do that."""
+    before = (ROOT / "mlflow.db").exists()
+    yield
+    assert before or not (ROOT / "mlflow.db").exists(), "something fell back to MLflow's default ./mlflow.db"

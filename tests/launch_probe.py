@@ -2,7 +2,7 @@
 
     exit N     rank 0 exits N, the others 0
     sleep S    every rank sleeps S seconds
-    peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 75 as the trainer does
+    peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 76 (interrupted) as the trainer does
 """
 
 import os
@@ -20,6 +20,6 @@ if __name__ == "__main__":
         if rank == "1":
             time.sleep(1)
             sys.exit(value)
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(76))
         time.sleep(120)
     sys.exit(value if (mode == "exit" and rank == "0") else 0)

@@ -109,7 +109,8 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_
                                                         small_gauntlet):  # fmt: skip
     from prefect import flow
 
-    from tasks.evaluate import artifact_key, evaluate_checkpoint
+    from tasks.artifacts import artifact_key
+    from tasks.evaluate import evaluate_checkpoint
 
     path, trained, tok = composer_checkpoint
     client, run_id = mlflow_run
@@ -120,7 +121,7 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_
     # Inside a flow, as the pipeline runs it: Prefect keeps artifacts of flow runs only.
     @flow(name="eval-test")
     def two_checkpoints():
-        return [evaluate_checkpoint(c, small_gauntlet, tracking, run_id, 128) for c in (info, later)]
+        return [evaluate_checkpoint(c, small_gauntlet, tracking, run_id, 128, "tiny") for c in (info, later)]
 
     summary, second = two_checkpoints()
 
@@ -146,7 +147,8 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_
     # the later report plots and tabulates both checkpoints
     assert "data:image/png;base64," in html and "<td>4096</td>" in html and "<td>8192</td>" in html
 
-    artifact = _prefect_artifact(artifact_key(4096))
+    assert summary.headline == "core_average" and len(summary.gauntlet_hash) == 16
+    artifact = _prefect_artifact(artifact_key("tiny", "gauntlet", "tok-000000004096"))  # scoped to the run
     assert "| copa | 0 | multiple_choice |" in artifact.data
 
 

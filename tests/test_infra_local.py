@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from infra import backend_for
 from infra.config import ComputeConfig
 from tests.conftest import ROOT
@@ -32,14 +34,14 @@ def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
 
 
 def test_the_first_failing_rank_sets_the_exit_code(tmp_path, monkeypatch):
-    """Rank 1 fails fatally; the launcher then SIGTERMs rank 0, which answers 75 (retryable) and would
+    """Rank 1 fails fatally; the launcher then SIGTERMs rank 0, which answers 76 (interrupted) and would
     otherwise be the code the launcher reports. The job reports rank 1's 78, so no retry is wasted."""
     monkeypatch.chdir(ROOT)
     backend = backend_for(ComputeConfig(procs_per_node=2))
     backend.launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path).wait(timeout=120)  # an earlier launch
     job = backend.launch("tests.launch_probe", ["peer", "78"], log_dir=tmp_path)  # appends to the same log
     assert job.wait(timeout=120) == 78
-    assert job.process.returncode == 75  # what the launcher itself said
+    assert job.process.returncode == 76  # what the launcher itself said: rank 0's answer to its SIGTERM
 
 
 def test_cancel_stops_every_rank(tmp_path, monkeypatch):
@@ -56,3 +58,21 @@ def test_cancel_stops_every_rank(tmp_path, monkeypatch):
     assert job.poll() is not None
     time.sleep(0.5)
     assert _pids_alive(group) == []
+
+
+def test_after_cancel_all_nothing_new_is_launched(tmp_path, monkeypatch):
+    """A flow that is stopping its jobs must not see a supervisor thread relaunch one behind its back."""
+    from infra import LaunchRefused, allow_launches, cancel_all, stopping
+
+    monkeypatch.chdir(ROOT)
+    backend = backend_for(ComputeConfig(procs_per_node=1))
+    job = backend.launch("tests.launch_probe", ["sleep", "600"], log_dir=tmp_path)
+    try:
+        assert cancel_all(grace_s=5) >= 1  # earlier tests' finished jobs may still be on the list
+        assert job.stopped and job.poll() is not None and stopping()
+        with pytest.raises(LaunchRefused):
+            backend.launch("tests.launch_probe", ["exit", "0"], log_dir=tmp_path)
+    finally:
+        allow_launches()
+    assert not stopping()
+    assert backend.launch("tests.launch_probe", ["exit", "0"], log_dir=tmp_path).wait(timeout=120) == 0

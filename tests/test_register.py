@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -40,20 +41,29 @@ def composer_checkpoint(tmp_path_factory) -> str:
     return str(tmp / "ckpt.pt")
 
 
-def summary(tokens: int, average: float) -> EvalSummary:
-    return EvalSummary(tokens=tokens, stage="s", checkpoint="c", average=average,
-                       metrics={"gauntlet/core_average": average, "icl/copa/0-shot": 0.5})  # fmt: skip
+def assert_same_weights(model, composer_checkpoint: str) -> None:
+    """The model's weights equal the checkpoint's, bit for bit."""
+    from trainers.export import load_hf
+
+    original, _ = load_hf(composer_checkpoint)
+    for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(original.state_dict().items())):
+        assert torch.equal(a, b), name
+
+
+def summary(tokens: int, average: float, gauntlet: str = "g1") -> EvalSummary:
+    return EvalSummary(tokens=tokens, stage="s", checkpoint="c", average=average, headline="core_average",
+                       gauntlet_hash=gauntlet, metrics={"gauntlet/core_average": average, "icl/copa/0-shot": 0.5})  # fmt: skip
 
 
 def test_register_is_idempotent_and_moves_aliases(tmp_path, composer_checkpoint):
     tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"),
                               experiment="e", registered_model="tiny")  # fmt: skip
-    run_id = open_run.fn(tracking, "run-a", tags={}, params={})
-    assert open_run.fn(tracking, "run-a", tags={}, params={}) == run_id  # a rerun reuses the run
+    run_id = open_run.fn(tracking, "run-a", tags={})
+    assert open_run.fn(tracking, "run-a", tags={}) == run_id  # a rerun reuses the run
 
-    def register(tokens: int, average: float):
+    def register(tokens: int, average: float, gauntlet: str = "g1"):
         ckpt = CheckpointInfo(path=composer_checkpoint, tokens=tokens, batch=tokens // 64, stage="s", stage_index=0)
-        return register_checkpoint.fn(ckpt, summary(tokens, average), tracking, run_id, "abc")
+        return register_checkpoint.fn(ckpt, summary(tokens, average, gauntlet), tracking, run_id, "abc")
 
     first = [register(64, 0.2), register(128, 0.5), register(192, 0.3)]
     assert [(r.version, r.created) for r in first] == [(1, True), (2, True), (3, True)]
@@ -69,18 +79,29 @@ def test_register_is_idempotent_and_moves_aliases(tmp_path, composer_checkpoint)
     assert v2.tags["tokens"] == "128" and v2.tags["gauntlet_average"] == "0.500000"
     assert v2.tags["score/gauntlet/core_average"] == "0.500000" and v2.tags["recipe_hash"] == "abc"
 
-    # the registered version is a plain HF model with the checkpoint's exact weights
-    import mlflow
-    from transformers import AutoModelForCausalLM
+    assert v2.tags["gauntlet_hash"] == "g1" and v2.tags["headline"] == "core_average" and v2.tags["run"] == "run-a"
+    # each version says what it is, and why it holds its aliases
+    assert v2.description.startswith("Run run-a, stage s, 128 tokens.\ncore_average 0.5000 on gauntlet g1.")
+    assert "best: the highest core_average among versions scored on gauntlet g1" in v2.description
+    assert "latest-checkpoint: the furthest checkpoint of run run-a" in client.get_model_version("tiny", "3").description
+    assert "Aliases" not in client.get_model_version("tiny", "1").description
 
-    from trainers.export import load_hf
+    # a higher score on another gauntlet does not compare: best stays among this gauntlet's versions
+    register(256, 0.9, gauntlet="g2")
+    assert int(client.get_model_version_by_alias("tiny", BEST_ALIAS).version) == 4  # the run's own gauntlet is g2 now
+    register(320, 0.4, gauntlet="g1")  # back on g1: v2 (0.5) is the best g1 version, v4's 0.9 is not comparable
+    assert int(client.get_model_version_by_alias("tiny", BEST_ALIAS).version) == 2
+
+    # the registered version is an MLflow Model (transformers flavor) with the checkpoint's exact weights
+    import mlflow.pyfunc
+    import mlflow.transformers
 
     mlflow.set_tracking_uri(tracking.tracking_uri)
-    local = mlflow.artifacts.download_artifacts(artifact_uri="models:/tiny@best", dst_path=str(tmp_path / "dl"))
-    loaded = AutoModelForCausalLM.from_pretrained(local)
-    original, _ = load_hf(composer_checkpoint)
-    for (name, a), (_, b) in zip(sorted(loaded.state_dict().items()), sorted(original.state_dict().items())):
-        assert torch.equal(a, b), name
+    mlflow.set_registry_uri(tracking.tracking_uri)
+    parts = mlflow.transformers.load_model("models:/tiny@best", return_type="components")
+    assert_same_weights(parts["model"], composer_checkpoint)
+    text = mlflow.pyfunc.load_model("models:/tiny@best").predict(["Once upon a time"], params={"max_new_tokens": 4})
+    assert isinstance(text[0], str) and text[0]  # pyfunc generates text
 
 
 def test_dead_tracking_server_is_one_line_and_fast():
@@ -110,3 +131,82 @@ def test_cli_reports_dead_tracking_server(tmp_path):
     assert len(errors) == 1
     assert errors[0].startswith("tessera: error: tracking.tracking_uri: cannot use MLflow at http://127.0.0.1:9: ")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_large_model_is_registered_by_reference_and_loads_from_s3(tmp_path, composer_checkpoint, moto_s3,
+                                                                    monkeypatch):  # fmt: skip
+    """Over the size threshold, the weights stay with the run's checkpoints in object storage."""
+    import mlflow.transformers
+
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", moto_s3.meta.endpoint_url)
+    moto_s3.create_bucket(Bucket="ckpts")
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"),
+                              experiment="e", registered_model="big", register_by_reference_above_mb=0)  # fmt: skip
+    run_id = open_run.fn(tracking, "run-b", tags={})
+    ckpt = CheckpointInfo(path=composer_checkpoint, tokens=64, batch=1, stage="s", stage_index=0)
+    reg = register_checkpoint.fn(ckpt, summary(64, 0.3), tracking, run_id, "abc", "s3://ckpts/runs/run-b")
+    client = client_for(tracking)
+    version = client.get_model_version("big", str(reg.version))
+    assert version.source == "s3://ckpts/runs/run-b/models/tok-000000000064"
+    assert version.tags["storage"] == "reference" and "Stored by reference at s3://ckpts/" in version.description
+    keys = {o["Key"] for o in moto_s3.list_objects_v2(Bucket="ckpts")["Contents"]}
+    assert "runs/run-b/models/tok-000000000064/MLmodel" in keys
+    assert not client.list_artifacts(run_id, "checkpoints")  # nothing copied into the artifact store
+
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    mlflow.set_registry_uri(tracking.tracking_uri)
+    parts = mlflow.transformers.load_model("models:/big/1", return_type="components")
+    assert_same_weights(parts["model"], composer_checkpoint)
+
+
+def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tmp_path, composer_checkpoint, moto_s3,
+                                                                              monkeypatch):  # fmt: skip
+    """What a cluster run does: `python -m evaluation` scores an s3:// checkpoint, logs to the run and writes the
+    MLflow Model beside it; the register task registers that URI without exporting anything itself."""
+    import json
+
+    import mlflow.transformers
+
+    from evaluation.__main__ import parse_summary
+    from trainers.mlflow_model import model_uri_for
+
+    moto_s3.create_bucket(Bucket="ckpts")
+    moto_s3.upload_file(composer_checkpoint, "ckpts", "runs/run-c/run-c-s0-tok64-rank0.pt")
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"),
+                              experiment="e", registered_model="pod")  # fmt: skip
+    run_id = open_run.fn(tracking, "run-c", tags={})
+    checkpoint_uri = "s3://ckpts/runs/run-c/run-c-s0-tok64-rank0.pt"
+    target = model_uri_for("s3://ckpts/runs/run-c", 64)
+    proc = subprocess.run(
+        [sys.executable, "-m", "evaluation", "--checkpoint", checkpoint_uri,
+         "--tasks", str(ROOT / "configs/gauntlet/tiny_tasks.yaml"), "--gauntlet", str(ROOT / "configs/gauntlet/tiny_gauntlet.yaml"),
+         "--data-root", str(ROOT / "data/gauntlet"), "--context-len", "32", "--strict",
+         "--tracking-uri", tracking.tracking_uri, "--run-id", run_id, "--step", "64", "--stage", "s",
+         "--package-to", target],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "MLFLOW_S3_ENDPOINT_URL": moto_s3.meta.endpoint_url},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = next(s for s in map(parse_summary, reversed(proc.stdout.splitlines())) if s)
+    assert summary["model_uri"] == target and summary["headline"] == "core_average"
+    client = client_for(tracking)
+    assert [m.step for m in client.get_metric_history(run_id, "gauntlet/core_average")] == [64]
+
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", moto_s3.meta.endpoint_url)
+    import trainers.export
+
+    def never(*args, **kwargs):
+        raise AssertionError("registration loaded the checkpoint")
+
+    monkeypatch.setattr(trainers.export, "export_hf", never)  # the flow pod must not touch the weights
+    result = EvalSummary(tokens=64, stage="s", checkpoint=checkpoint_uri, **{k: summary[k] for k in (
+        "average", "headline", "gauntlet_hash", "metrics", "model_uri")})  # fmt: skip
+    info = CheckpointInfo(path=checkpoint_uri, tokens=64, batch=1, stage="s", stage_index=0)
+    reg = register_checkpoint.fn(info, result, tracking, run_id, "abc", "s3://ckpts/runs/run-c")
+    version = client.get_model_version("pod", str(reg.version))
+    assert version.source == target and version.tags["storage"] == "reference"
+    mlflow.set_tracking_uri(tracking.tracking_uri)
+    mlflow.set_registry_uri(tracking.tracking_uri)
+    parts = mlflow.transformers.load_model("models:/pod/1", return_type="components")
+    assert_same_weights(parts["model"], composer_checkpoint)
+    assert json.loads(json.dumps(summary))  # the summary line is plain JSON

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainers.config import ModelConfig, StageConfig, TrainConfig
-from trainers.exit_codes import FATAL, RETRYABLE, ExitCode, classify, FatalError
+from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode, classify, FatalError
 from trainers.schedule import lr_multiplier, stage_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,12 +387,14 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
 @pytest.mark.slow
 def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
     """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
-    exits RETRYABLE; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
+    exits with a relaunchable code; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
 
     job, job_path = _job(tmp_path, sources)  # both stages: the LR horizon must match the reference's
     log = tmp_path / "samples.jsonl"
     lost = _launch(job_path, 0, log, fault="step:1280", procs=2, fault_rank=1)
-    assert lost.returncode == ExitCode.RETRYABLE, lost.stderr[-3000:]
+    # The launcher reports rank 0's code: RETRYABLE when rank 0 saw the lost peer in a collective first,
+    # INTERRUPTED when the launcher's SIGTERM (sent on seeing rank 1 die) reached it first.
+    assert lost.returncode in RETRYABLE | INTERRUPTED, lost.stderr[-3000:]
     relaunch = _launch(job_path, 0, log, procs=2)
     if relaunch.returncode == ExitCode.RETRYABLE:
         # As the flow would: a retryable exit (on a busy box, the launcher's free-port pick can lose a

@@ -8,7 +8,11 @@ data.py      one StreamingDataset epoch per stage over the stage's mixture
 schedule.py  the global LR curve (a pure function of tokens) and the callback that applies it
 resume.py    start plan (resume / enter stage / fresh), save-folder repair, publishing saver
 rollback.py  NaN / spike rollback records and the data skip on relaunch
-callbacks.py MLflow metrics, the loss guard, test probes
+callbacks.py MLflow metrics, progress lines, the loss guard, test probes
+metrics_outbox.py  metrics to MLflow off the step's path: queue, write-ahead journal, shipper thread
+progress.py  the `tessera.progress {json}` line format and its parser (no torch: the flow imports it)
+lease.py     one trainer per run name: rank 0's flock on <save_folder>/<run>.lock
+supervisor.py  every rank stops when the process that launched the job is gone (TESSERA_SUPERVISOR_PID)
 export.py    Composer checkpoint -> HF model directory
 checkpoints.py the manifest contract with watchers
 

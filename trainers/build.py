@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from composer import Trainer
@@ -12,8 +14,9 @@ from composer.algorithms import GradientClipping
 from composer.core import Event
 from composer.models import HuggingFaceModel
 
+from trainers import lease
 from trainers import model as model_lib
-from trainers.callbacks import LossGuard, MlflowMetrics, Probe
+from trainers.callbacks import LossGuard, MlflowMetrics, Probe, Progress
 from trainers.config import TrainJob
 from trainers.data import (
     build_stage_data,
@@ -33,6 +36,7 @@ from trainers.rollback import apply_skip, pending_skip
 from trainers.schedule import GlobalLRSchedule, stage_bounds
 
 log = logging.getLogger("tessera.train")
+T = TypeVar("T")
 
 
 def world() -> tuple[int, int]:
@@ -53,35 +57,52 @@ def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimize
     )
 
 
-def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
-    """(start plan, samples to skip): rank 0 repairs the save folder and decides, every rank gets its verdict.
+def _rank0_decides(decide: Callable[[], T]) -> T:
+    """`decide()` run on global rank 0, its answer on every rank.
 
-    With several ranks the verdict travels over the process group, so no rank reads another
-    node's disk. Then the first rank of every other node makes sure the checkpoint to load is in
-    its own local folder.
+    With several ranks the answer travels over the process group, so no rank reads another
+    node's disk. A FatalError or RetryableError on rank 0 is raised on every rank instead: none
+    may be left waiting in a collective for a rank that has already given up.
     """
     rank, world_size = world()
     if world_size == 1:
-        plan = plan_start(job, stage_index)
-        return plan, pending_skip(job, stage_index, plan.tokens)
+        return decide()
     from composer.utils import dist
 
     verdict: list = [None]
     if rank == 0:
         try:
-            plan = plan_start(job, stage_index)
-            verdict = [(plan.__dict__, pending_skip(job, stage_index, plan.tokens), None)]
-        except (FatalError, RetryableError) as exc:  # every rank leaves with it, none waits in the broadcast
-            verdict = [(None, 0, (isinstance(exc, FatalError), str(exc)))]
+            verdict = [(decide(), None)]
+        except (FatalError, RetryableError) as exc:
+            verdict = [(None, (isinstance(exc, FatalError), str(exc)))]
     dist.broadcast_object_list(verdict, src=0)
-    fields, skip, error = verdict[0]
+    answer, error = verdict[0]
     if error is not None:
         fatal, message = error
         raise (FatalError if fatal else RetryableError)(message)
-    plan = StartPlan(**fields)
-    if int(os.environ.get("NODE_RANK", "0")) != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        prepare_node(job, stage_index, plan)
-    dist.barrier()  # no rank loads before every node has its file
+    return answer
+
+
+def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
+    """(start plan, samples to skip): rank 0 takes the run's lease, repairs the save folder and decides.
+
+    The lease comes first: the repair deletes files, which must never happen under a live
+    trainer of the same run. Then the first rank of every other node makes sure the checkpoint
+    to load is in its own local folder.
+    """
+
+    def decide() -> tuple[StartPlan, int]:
+        lease.acquire(job.save_folder, job.run_name)
+        plan = plan_start(job, stage_index)
+        return plan, pending_skip(job, stage_index, plan.tokens)
+
+    plan, skip = _rank0_decides(decide)
+    if world()[1] > 1:
+        from composer.utils import dist
+
+        if int(os.environ.get("NODE_RANK", "0")) != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            prepare_node(job, stage_index, plan)
+        dist.barrier()  # no rank loads before every node has its file
     return plan, skip
 
 
@@ -140,6 +161,7 @@ def _resolve_model_uri(uri: str, job: TrainJob) -> str:
 
     if job.mlflow is None:
         raise FatalError(f"model.init_from: {uri} is a registry URI but the job has no mlflow tracking target")
+    mlflow.set_registry_uri(job.mlflow.tracking_uri)  # models:/ resolves through the registry, not the tracking URI
     return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=job.mlflow.tracking_uri)
 
 
@@ -157,10 +179,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         from composer.utils import dist, get_device
 
         dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
-    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it. A
-    # collective: local rank 0 cleans while the node's other ranks wait.
-    clean_stale_shared_memory()
     plan, skip = _plan(job, stage_index)
+    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it. A
+    # collective: local rank 0 cleans while the node's other ranks wait. After the lease: the
+    # cleanup unlinks every Streaming segment on the host, a live trainer's of this run included.
+    clean_stale_shared_memory()
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
     start, end = stage_bounds(job.train)[stage_index]
     if plan.tokens >= end:
@@ -181,7 +204,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     flops = model_lib.flops_per_token(job.model, job.vocab_size, job.stage_seq_len(stage_index)).total
     metrics = MlflowMetrics(
         job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index),
-        logged_marker=Path(job.save_folder) / f"{job.run_name}-metrics-logged.json",
+        state_folder=Path(job.save_folder), run_name=job.run_name,
         # After a rollback the re-trained steps see other data: their metrics differ and are logged again.
         relog=bool(skip),
     )  # fmt: skip
@@ -191,6 +214,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         # Before the saver: a bad step must never be checkpointed.
         LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver),
         metrics,
+        Progress(stage.name, stage_index, start, end),
         Probe(),
         saver,
     ]
@@ -235,5 +259,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     if skip:
         log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
         apply_skip(trainer, skip)
+    if job.train.init_optimizer_from and plan.kind == "fresh":  # later launches restore their own
+        from trainers.optimizer_seed import seed_optimizer
+
+        outcome = seed_optimizer(trainer.state.model, trainer.state.optimizers[0], job.train.init_optimizer_from)
+        log.info("optimizer state: %s", outcome)
+        metrics.start_tags["tessera.optimizer_state"] = outcome
     trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
     return trainer

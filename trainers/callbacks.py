@@ -1,10 +1,11 @@
-"""Composer callbacks: stage entry, metrics to MLflow, the loss guard, and test probes."""
+"""Composer callbacks: metrics to MLflow, progress lines, the loss guard, and test probes."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,15 +16,24 @@ from composer.utils import dist
 
 from trainers.config import LossGuardConfig, MlflowTarget
 from trainers.exit_codes import FatalError
+from trainers.metrics_outbox import Outbox, close_wait_s, marker_path, read_marker
+from trainers.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, format_progress
 from trainers.resume import _maybe_fault
+
+# A failed launch's own wait for MLflow, before its relaunch (which delivers the journal first).
+FAILED_CLOSE_WAIT_S = 10.0
 
 
 class MlflowMetrics(Callback):
     """Logs train/loss, train/lr, throughput, MFU and val/<source>/loss into an existing MLflow run, step = tokens.
 
-    Buffered and flushed with one `log_batch` call every `flush_every_s`, so a sqlite or remote
-    tracking server costs nothing per step. Rank 0 only: the loss Composer hands us is already
-    averaged over ranks.
+    Rank 0 only: the loss Composer hands us is already averaged over ranks. Rows go through an
+    Outbox (trainers/metrics_outbox.py): the hooks only queue them, a background thread ships
+    them every `flush_every_s`, so neither a slow nor a dead tracking server reaches a step. At
+    every checkpoint boundary the queued rows are journaled (fsynced) in the save folder, so a
+    kill -9 loses no metric of a step that the relaunch will not re-train, whether or not the
+    server was up. At the end of the stage it waits up to TESSERA_METRICS_CLOSE_WAIT_S (default
+    120 s) for delivery; what is left stays journaled for the next launch, and the stage succeeds.
     """
 
     def __init__(
@@ -36,7 +46,8 @@ class MlflowMetrics(Callback):
         flush_every_tokens: int,
         step_tokens: int,
         flush_every_s: float | None = None,
-        logged_marker: Path | None = None,
+        state_folder: Path | None = None,
+        run_name: str = "",
         relog: bool = False,
     ):
         self.target = target
@@ -44,32 +55,31 @@ class MlflowMetrics(Callback):
         self.flops_per_token = flops_per_token
         self.stage_name = stage_name
         self.stage_start = stage_start
-        # How often buffered metrics reach MLflow; TESSERA_METRICS_FLUSH_S=0 sends every step.
+        # How often queued metrics are shipped; TESSERA_METRICS_FLUSH_S=0 ships every step.
         self.flush_every_s = float(os.environ.get("TESSERA_METRICS_FLUSH_S", "10")) if flush_every_s is None else flush_every_s
-        # Steps up to `logged_until` were logged by an earlier launch of this run that was killed after
-        # flushing them: the relaunch re-trains them bit for bit and must not log them a second time.
-        self.logged_marker = logged_marker
-        self.logged_until = 0 if relog else self._read_marker()
-        self._flushed_tokens = self.logged_until
+        # Where the journal and the logged marker live: the run's save folder. Without one nothing is
+        # sent, since nothing sent could be accounted for across a kill.
+        self.state_folder = state_folder
+        self.run_name = run_name
+        # Steps up to `logged_until` were journaled or logged by an earlier launch of this run that was
+        # killed afterwards: the relaunch re-trains them bit for bit and must not log them a second time.
+        marker = marker_path(state_folder, run_name) if state_folder is not None else None
+        self.logged_until = 0 if relog or target is None or marker is None else read_marker(marker, target.run_id)
         self.flush_every_tokens = flush_every_tokens
         self.step_tokens = step_tokens
-        self._buffer: list = []
-        self._client = None
+        self.outbox: Outbox | None = None
+        self.start_tags: dict[str, str] = {}  # sent once with the stage's start (what this launch started from)
+        self._closed = False
         self._last_flush = time.monotonic()
         self._window: tuple[float, int] | None = None
         self.history: list[dict[str, float]] = []  # also kept in memory, for benches and tests
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        if dist.get_global_rank() != 0 or self.target is None:
+        if dist.get_global_rank() != 0 or self.target is None or self.state_folder is None:
             return
-        from mlflow.entities import RunTag
-        from mlflow.tracking import MlflowClient
-
-        self._client = MlflowClient(self.target.tracking_uri)
-        prefix = f"stage/{self.stage_name}"
-        self._client.log_batch(
-            self.target.run_id, tags=[RunTag(f"{prefix}/start_tokens", str(self.stage_start))], synchronous=True
-        )
+        self.outbox = Outbox(self.target, self.state_folder, self.run_name, self.logged_until)
+        self.outbox.put(None, tags={f"stage/{self.stage_name}/start_tokens": str(self.stage_start), **self.start_tags})
+        self.flush()
 
     def batch_start(self, state: State, logger: Logger) -> None:
         if self._window is None:
@@ -92,9 +102,7 @@ class MlflowMetrics(Callback):
             if torch.cuda.is_available():
                 row["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         self._window = (time.perf_counter(), tokens)
-        # Also flush at every checkpoint boundary: a kill -9 then loses no metric of a step that
-        # the relaunch will not re-train (and re-log).
-        self._record(tokens, row, flush=time.monotonic() - self._last_flush > self.flush_every_s or self._crossed(tokens))
+        self._record(tokens, row, checkpoint=self._crossed(tokens))
 
     def eval_end(self, state: State, logger: Logger) -> None:
         """A val/<source> evaluator finished (at a checkpoint step): log its loss now, before the save."""
@@ -102,18 +110,19 @@ class MlflowMetrics(Callback):
             return
         tokens = int(state.timestamp.token)
         loss = float(state.eval_metric_values["LanguageCrossEntropy"])
-        self._record(tokens, {f"{state.dataloader_label}/loss": loss}, flush=True)
+        self._record(tokens, {f"{state.dataloader_label}/loss": loss}, checkpoint=True)
 
-    def _record(self, tokens: int, row: dict[str, float], flush: bool) -> None:
-        """Keep a row in memory and buffer it for MLflow (unless an earlier launch logged this step)."""
+    def _record(self, tokens: int, row: dict[str, float], checkpoint: bool) -> None:
+        """Keep a row in memory and queue it for MLflow (unless an earlier launch logged this step)."""
         self.history.append({"tokens": tokens, **row})
-        if self._client is None or tokens <= self.logged_until:
+        if self.outbox is None or tokens <= self.logged_until:
             return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self._buffer += [Metric(k, v, now, tokens) for k, v in row.items() if math.isfinite(v)]
-        if flush:
+        self.outbox.put(tokens, row)
+        if checkpoint:
+            # The step is about to be checkpointed: after a kill the relaunch starts past it and would
+            # never record it again, so it must be on disk now (local disk: a dead server cannot stall it).
+            self.outbox.persist()
+        if checkpoint or time.monotonic() - self._last_flush > self.flush_every_s:
             self.flush()
 
     def _crossed(self, tokens: int) -> bool:
@@ -121,41 +130,27 @@ class MlflowMetrics(Callback):
         return tokens // every > (tokens - self.step_tokens) // every
 
     def flush(self) -> None:
-        if self._client is not None and self._buffer:
-            # MLflow caps a log_batch at 1000 metrics.
-            for i in range(0, len(self._buffer), 1000):
-                self._client.log_batch(self.target.run_id, metrics=self._buffer[i : i + 1000], synchronous=True)
-            self._flushed_tokens = max(self._flushed_tokens, max(m.step for m in self._buffer))
-            self._buffer = []
-            self._write_marker()
+        """Ship what is queued now, in the background: never raises, never waits for the server."""
+        if self.outbox is not None:
+            self.outbox.flush()
         self._last_flush = time.monotonic()
 
-    def _read_marker(self) -> int:
-        if self.logged_marker is None or self.target is None or not self.logged_marker.exists():
-            return 0
-        marker = json.loads(self.logged_marker.read_text())
-        return int(marker["tokens"]) if marker.get("mlflow_run_id") == self.target.run_id else 0
-
-    def _write_marker(self) -> None:
-        if self.logged_marker is None:
-            return
-        tmp = self.logged_marker.with_name(f".tmp-{self.logged_marker.name}")
-        tmp.write_text(json.dumps({"mlflow_run_id": self.target.run_id, "tokens": self._flushed_tokens}))
-        os.replace(tmp, self.logged_marker)
-
     def fit_end(self, state: State, logger: Logger) -> None:
-        self.flush()
-        if self._client is not None:
-            from mlflow.entities import RunTag
-
-            self._client.log_batch(
-                self.target.run_id,
-                tags=[RunTag(f"stage/{self.stage_name}/end_tokens", str(int(state.timestamp.token)))],
-                synchronous=True,
-            )
+        if self.outbox is None:
+            return
+        self.outbox.put(None, tags={f"stage/{self.stage_name}/end_tokens": str(int(state.timestamp.token))})
+        self._close(close_wait_s())
 
     def close(self, state: State, logger: Logger) -> None:
-        self.flush()
+        # Without fit_end first, training failed: the relaunch that follows delivers the journal
+        # first thing, so a dead server must not hold it back for long.
+        self._close(min(close_wait_s(), FAILED_CLOSE_WAIT_S))
+
+    def _close(self, wait_s: float) -> None:
+        if self.outbox is None or self._closed:
+            return
+        self._closed = True
+        self.outbox.close(wait_s)
 
 
 def _peak_flops() -> float | None:
@@ -167,6 +162,50 @@ def _peak_flops() -> float | None:
         if key in name:
             return peak
     return None
+
+
+class Progress(Callback):
+    """Rank 0 prints `tessera.progress {json}` lines to stdout for the flow to relay (trainers/progress.py).
+
+    One after the first step of the launch, then at most every TESSERA_PROGRESS_S seconds
+    (default 10), and one after the step that reaches the end of the stage.
+    """
+
+    def __init__(self, stage_name: str, stage_index: int, stage_start: int, stage_end: int, every_s: float | None = None):
+        self.stage_name = stage_name
+        self.stage_index = stage_index
+        self.stage_start = stage_start
+        self.stage_end = stage_end
+        self.every_s = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)) if every_s is None else every_s
+        self._started: float | None = None
+        self._last: tuple[float, int] | None = None  # (time, tokens) of the previous line, or of the launch's start
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._started = time.monotonic()
+        self._last = (self._started, int(state.timestamp.token))
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() != 0 or self._started is None or self._last is None:
+            return
+        now, tokens = time.monotonic(), int(state.timestamp.token)
+        first = self._last[0] == self._started
+        if not (first or tokens >= self.stage_end or now - self._last[0] >= self.every_s):
+            return
+        window = now - self._last[0]
+        loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else float("nan")
+        record = {
+            "stage": self.stage_name,
+            "stage_index": self.stage_index,
+            "step": int(state.timestamp.batch),
+            "tokens": tokens,
+            "stage_start": self.stage_start,
+            "stage_end": self.stage_end,
+            "loss": loss,
+            "tokens_per_sec": round((tokens - self._last[1]) / window, 1) if window > 0 else None,
+            "elapsed_s": round(now - self._started, 3),
+        }
+        print(format_progress(record), file=sys.stdout, flush=True)
+        self._last = (now, tokens)
 
 
 class LossGuard(Callback):

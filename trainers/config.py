@@ -144,6 +144,11 @@ class TrainConfig(_Strict):
         "An s3://bucket/prefix URI keeps every complete checkpoint under <prefix>/<run>/ as well, and a launch "
         "whose local working copy lacks them (a new node, a wiped work_dir) resumes from there.",
     )
+    init_optimizer_from: str | None = Field(
+        None,
+        description="Continued pretraining: a Composer checkpoint (path or s3:// URI) whose optimizer state seeds a "
+        "fresh run, when its parameter shapes match the model; otherwise the optimizer starts fresh (the run says which).",
+    )
     val_batches: int = Field(
         8,
         ge=0,

@@ -1,11 +1,18 @@
 """Process exit codes of `python -m trainers.train`, the contract with whoever relaunches it.
 
-A retryable failure is one where relaunching the same command can succeed because the
-trainer resumes from its last complete checkpoint (a peer died, a collective timed out,
-the node ran out of memory or was preempted). A fatal failure reproduces on relaunch
-(bad job file, NaN loss that rollback could not cure, an edited curriculum), so retrying
-only burns compute. The values avoid 1 (any uncaught Python exception), 2 (argparse usage
-errors) and 128+N (killed by signal N), so a supervisor never confuses them.
+RETRYABLE (75): the trainer failed, and relaunching the same command can succeed because it
+resumes from its last complete checkpoint (a peer died under a collective, a collective timed
+out, the node ran out of memory, a loss anomaly scheduled a rollback).
+INTERRUPTED (76): the trainer did not fail, it was stopped from outside: SIGTERM or SIGINT (a
+preemption, Composer's launcher stopping the survivors after a peer died, a cancel), or the
+process that launched it is gone (trainers/supervisor.py). A relaunch resumes as well; a
+supervisor counts these against a separate, larger budget, since a spot node preempted many
+times says nothing about the job itself.
+FATAL (78): the failure reproduces on relaunch (bad job file, NaN loss that rollback could not
+cure, an edited curriculum, another trainer already owns the run), so retrying only burns compute.
+
+The values avoid 1 (any uncaught Python exception), 2 (argparse usage errors) and 128+N
+(killed by signal N), so a supervisor never confuses them.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     OK = 0
     RETRYABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
+    INTERRUPTED = 76  # stopped from outside; next to 75 so both read as "relaunch" in a table of codes
     FATAL = 78  # EX_CONFIG from sysexits.h: the input is wrong, do not retry
 
 
 # Sets, so a supervisor writes `code in FATAL`; more codes may join either set later.
 RETRYABLE: frozenset[int] = frozenset({ExitCode.RETRYABLE.value})
+INTERRUPTED: frozenset[int] = frozenset({ExitCode.INTERRUPTED.value})
 FATAL: frozenset[int] = frozenset({ExitCode.FATAL.value})
 
 

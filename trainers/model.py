@@ -130,10 +130,14 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
     Building from the recipe and copying (rather than adopting the directory's config) keeps one
     source of truth for the architecture; a directory that does not fit is refused by name.
     """
+    from pathlib import Path
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainers.exit_codes import FatalError
 
+    if (Path(source_dir) / "MLmodel").is_file():  # a registry version: an MLflow Model holding the HF dir
+        source_dir = str(Path(source_dir) / "model")
     theirs = AutoConfig.from_pretrained(source_dir)
     ours = model.config
     for field, name in [

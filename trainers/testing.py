@@ -1,4 +1,4 @@
-"""Small fixtures for tests and benches: MDS token data, an HF tokenizer dir, a tiny TrainJob.
+"""Small fixtures for tests and benches: MDS token data, an HF tokenizer dir, a tiny TrainJob, a real MLflow server.
 
 Nothing here is used by training itself.
 """
@@ -6,8 +6,12 @@ Nothing here is used by training itself.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +122,85 @@ def run_stage(
     # OpenMP workers make every step several times slower.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the processes of process group `pgid` that still run (zombies waiting to be reaped do not)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):  # fields 5 (pgrp) and 3 (state) of proc(5)
+            alive.append(int(entry.name))
+    return alive
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 over a sqlite store, which can be stopped and started again
+    on the same port and store (a tracking-server outage)."""
+
+    def __init__(self, root: str | Path, port: int | None = None, workers: int = 1):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.workers = workers
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        mlflow = Path(sys.executable).with_name("mlflow")
+        cmd = [
+            str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--default-artifact-root", str(self.root / "artifacts"),
+            "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers),
+        ]  # fmt: skip
+        with open(self.root / "server.log", "ab") as log:
+            # Its own process group: stopping it must take its uvicorn workers along.
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = (self.root / "server.log").read_text()[-3000:]
+                raise RuntimeError(f"mlflow server on port {self.port} did not come up:\n{tail}")
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `timeout`; returns once all are gone."""
+        if self.process is None:
+            return
+        group = self.process.pid
+        try:
+            os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout
+        while live_group_members(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if live_group_members(group):
+            os.killpg(group, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> MlflowServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

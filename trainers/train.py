@@ -15,6 +15,22 @@ import sys
 
 from trainers.exit_codes import ExitCode, FatalError, classify
 from trainers.jobfile import load_job
+from trainers.supervisor import watch_supervisor
+
+# What SIGTERM/SIGINT exit with: INTERRUPTED, unless the trainer already decided its own code and
+# is cleaning up (a lost peer's collective failed, then the launcher's SIGTERM arrives).
+_on_signal = [ExitCode.INTERRUPTED]
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT leave at once with a code a supervisor can read.
+
+    Composer's engine module installs handlers that exit 128+N, which reads as a crash. The
+    signals come from a preemption, from the launcher stopping the survivors after a peer died,
+    or from a cancel: none is the trainer's failure, and a relaunch resumes from the last checkpoint.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(_on_signal[0]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    watch_supervisor()  # first: a rank still importing torch must not outlive its flow either
+    stop_on_signals()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     trainer = None
@@ -32,28 +50,30 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(args.job)
         # Heavy imports after validating, so `--help` and a bad job file answer at once.
         from trainers.build import build_trainer
+        from trainers.metrics_outbox import deliver_pending
         from trainers.rollback import record_anomaly
 
+        stop_on_signals()  # again: importing Composer replaced our handlers with its own
         trainer = build_trainer(job, args.stage)
-        if trainer is None:  # the stage finished in an earlier launch
+        if trainer is None:  # the stage finished in an earlier launch; what it could not send to MLflow goes now
+            if job.mlflow is not None and os.environ.get("RANK", "0") == "0":
+                deliver_pending(job.mlflow, job.save_folder, job.run_name)
             return ExitCode.OK
-        # Composer turns SIGTERM into exit code 143, which says nothing to a supervisor. The
-        # launcher sends it to the surviving ranks when a peer dies, and Kubernetes on
-        # preemption: both are worth a relaunch, which resumes from the last checkpoint.
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(ExitCode.RETRYABLE))
         try:
             trainer.fit()
         except Exception as exc:  # noqa: BLE001 - every failure maps to an exit code below
             code = record_anomaly(job, exc)  # NaN / spike: schedule a rollback, or give up
             if code is not None:
+                _on_signal[0] = code
                 return code
             raise
         return ExitCode.OK
     except FatalError as exc:
+        _on_signal[0] = ExitCode.FATAL
         print(f"tessera.train: fatal: {exc}", file=sys.stderr)
         return ExitCode.FATAL
     except Exception as exc:  # noqa: BLE001
-        code = classify(exc)
+        code = _on_signal[0] = classify(exc)
         logging.getLogger("tessera.train").exception("training failed (%s)", code.name.lower())
         return code
     finally:

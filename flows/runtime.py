@@ -1,0 +1,61 @@
+"""What every tessera process sets up before a flow runs: an offline environment and one-line errors.
+
+The CLI calls this before it starts a flow; flows call it first thing too, because a flow run
+started by a worker never went through the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def quiet_environment() -> None:
+    # Offline by design: never let HF libraries reach for the hub.
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # The temporary Prefect server migrates a fresh database on first start; 20 s is not enough on 2 cores.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry
+    # The gauntlet's and the tracking retries' own log lines (progress, outages) belong in the run's log too.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "evaluation,tessera")
+
+
+def bad_input_types() -> tuple[type[BaseException], ...]:
+    """Errors whose one-line message is the whole story: bad recipes, bad data, an unusable server."""
+    from evaluation.errors import GauntletError
+    from flows.recipe import RecipeError
+    from tasks.data.errors import DataError
+    from tasks.exclusive import RunBusy
+    from tasks.tracking import TrackingError, TrackingUnavailable
+    from tasks.train import TrainingFailed
+
+    # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input
+    return (RecipeError, DataError, TrackingError, TrackingUnavailable, TrainingFailed, GauntletError, RunBusy)
+
+
+class _NoTracebackForBadInput(logging.Filter):
+    """Prefect logs every task failure with its traceback; for bad input the one-line message is the story."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], bad_input_types()):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def install_log_filter() -> None:
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if not any(isinstance(f, _NoTracebackForBadInput) for f in handler.filters):
+                handler.addFilter(_NoTracebackForBadInput())
+
+
+def prepare_process() -> None:
+    """Both of the above, idempotent: safe to call from the CLI and again inside the flow."""
+    quiet_environment()
+    install_log_filter()

@@ -1,0 +1,34 @@
+"""Stands in for the trainer in a pod's command line: joins the process group Composer's launcher set up.
+
+    allreduce      every rank joins over gloo (MASTER_ADDR/PORT from the launcher) and sums the ranks
+    peer N         rank 1 exits N; rank 0 answers the launcher's SIGTERM with 76, as the trainer does
+"""
+
+import os
+import signal
+import sys
+import time
+
+if __name__ == "__main__":
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    where = f"rank={rank} world={world} node_rank={os.environ.get('NODE_RANK')} master={os.environ['MASTER_ADDR']}"
+    mode = sys.argv[1]
+    if mode == "allreduce":
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        print(f"allreduce sum={int(total.item())} {where} supervisor={os.environ.get('TESSERA_SUPERVISOR_PID')}",
+              flush=True)
+        dist.destroy_process_group()
+        sys.exit(0)
+    if mode == "peer":
+        print(where, flush=True)
+        if rank == "1":
+            time.sleep(1)
+            sys.exit(int(sys.argv[2]))
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(76))
+        time.sleep(120)
+    sys.exit(2)

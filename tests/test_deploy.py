@@ -1,0 +1,276 @@
+"""`tessera deploy` and `tessera up` against real servers: Prefect server + process worker + MLflow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from flows.continued import ContinueParams
+from flows.deploy import DeployError, load_project
+from flows.evaluate import EvalParams
+from flows.pipeline import PipelineParams
+from flows.prepare import PrepareParams
+from flows.recipe import load_recipe
+from tests.conftest import ROOT, answers, free_port, start_tessera_up, stop_tree, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+PARAMS = {"pretrain_pipeline/pretrain": PipelineParams, "prepare_data/prepare": PrepareParams,
+          "tessera-eval/eval": EvalParams, "continued_pretraining/continue": ContinueParams,
+          "continued_pretraining/continued-pretraining-weekly": ContinueParams}  # fmt: skip
+
+
+def tessera(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def deployment(api: str, name: str) -> dict:
+    response = httpx.get(f"{api}/deployments/name/{name}", timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def run_deployment(api: str, name: str, params: dict) -> str:
+    response = httpx.post(f"{api}/deployments/{deployment(api, name)['id']}/create_flow_run",
+                          json={"parameters": {"params": params}}, timeout=10)  # fmt: skip
+    response.raise_for_status()
+    return response.json()["id"]
+
+
+def final_state(api: str, flow_run_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return state
+        time.sleep(1)
+    pytest.fail(f"flow run {flow_run_id} not finished after {timeout:.0f} s")
+
+
+def started_by(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root] + root.children(recursive=True)
+
+
+def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
+    api = live_stack.api_url
+    for name, model in PARAMS.items():
+        d = deployment(api, name)
+        assert d["work_pool_name"] == "tessera-local"
+        assert d["enforce_parameter_schema"] is True
+        assert "tessera" in d["tags"] and d["description"]
+        # Prefect's default pull step: flow runs start in the checkout `tessera deploy` ran from
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+        schema = d["parameter_openapi_schema"]
+        assert schema["required"] == ["params"]
+        form = schema["definitions"][model.__name__]["properties"]  # the UI form is the parameter model
+        assert {f: form[f].get("description") for f in model.model_fields} == {
+            f: info.description for f, info in model.model_fields.items()
+        }
+    assert deployment(api, "pretrain_pipeline/pretrain")["parameters"] == {"params": {"recipe": "configs/tiny.yaml"}}
+    assert deployment(api, "prepare_data/prepare")["parameters"] == {"params": {"recipe": "configs/tiny.yaml"}}
+    assert deployment(api, "tessera-eval/eval")["parameters"] == {}
+    weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
+    assert weekly["parameters"] == {"params": {"recipe": "configs/tiny.yaml", "new_data": "data/incoming"}}
+    assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in weekly["schedules"]] == [
+        ("0 3 * * 1", "UTC", True)]  # fmt: skip
+
+    limits = {}
+    for name in PARAMS:
+        d = deployment(api, name)
+        limit = d["global_concurrency_limit"]
+        limits[name] = limit and (limit["limit"], d["concurrency_options"]["collision_strategy"])
+    assert limits == {"pretrain_pipeline/pretrain": None, "prepare_data/prepare": (1, "ENQUEUE"),
+                      "tessera-eval/eval": (2, "ENQUEUE"), "continued_pretraining/continue": (1, "ENQUEUE"),
+                      "continued_pretraining/continued-pretraining-weekly": (1, "CANCEL_NEW")}  # fmt: skip
+
+    pool = httpx.get(f"{api}/work_pools/tessera-local", timeout=10).json()
+    assert pool["type"] == "process"
+    workers = httpx.post(f"{api}/work_pools/tessera-local/workers/filter", json={"limit": 10, "offset": 0}, timeout=10).json()
+    assert [w["status"] for w in workers if w["name"] == live_stack.state["worker_name"]] == ["ONLINE"]
+
+    assert httpx.get(f"{live_stack.mlflow_url}/health", timeout=10).text == "OK"
+    # the UI finds its API on the port it was given, and serves its pages (the SPA answers a browser's Accept)
+    assert httpx.get(f"{live_stack.ui_url}/ui-settings", timeout=10).json()["api_url"] == api
+    page = httpx.get(f"{live_stack.ui_url}/deployments", headers={"Accept": "text/html"}, timeout=10)
+    assert page.status_code == 200 and "<html" in page.text
+
+
+def test_deploy_prints_one_url_per_deployment_and_is_idempotent(live_stack):
+    runs = [tessera("deploy", env=live_stack.env) for _ in range(2)]
+    ids = []
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        lines = dict(line.split() for line in run.stdout.splitlines())
+        assert set(lines) == set(PARAMS)
+        prefix = f"{live_stack.ui_url}/deployments/deployment/"
+        assert all(url.startswith(prefix) for url in lines.values())
+        ids.append({name: url.removeprefix(prefix) for name, url in lines.items()})
+    assert ids[0] == ids[1] == {name: deployment(live_stack.api_url, name)["id"] for name in PARAMS}
+
+
+def test_deploy_bad_input_is_one_line(live_stack):
+    unknown = tessera("deploy", "pretrain", "nosuch", env=live_stack.env)
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.splitlines() == [
+        "tessera: error: unknown deployment 'nosuch'; prefect.yaml declares: pretrain, prepare, eval, continue, "
+        "continued-pretraining-weekly"
+    ]
+    try:
+        import prefect_kubernetes  # noqa: F401
+    except ImportError:
+        k8s = tessera("deploy", "--pool", "tessera-k8s", env=live_stack.env)
+        assert k8s.returncode == 2 and len(k8s.stderr.splitlines()) == 1
+        assert "pip install prefect-kubernetes" in k8s.stderr
+        assert httpx.get(f"{live_stack.api_url}/work_pools/tessera-k8s", timeout=10).status_code == 404
+
+
+def test_deploy_without_a_server_says_how_to_start_one(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}/api"
+    run = tessera("deploy", env={"PREFECT_API_URL": dead})
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.splitlines()) == 1
+    assert run.stderr.startswith(f"tessera: error: the Prefect server at {dead} does not answer") and "`tessera up`" in run.stderr
+
+    # no server configured at all: no PREFECT_API_URL and an empty profile
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path), PREFECT_PROFILES_PATH=str(tmp_path / "profiles.toml"))
+    unset = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert unset.returncode == 2
+    assert unset.stderr.splitlines() == [
+        "tessera: error: no Prefect server configured (PREFECT_API_URL is not set); start one with `tessera up`"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("deployments:\n", "deployments: [\n", ":{line}: invalid YAML: expected the node content, but found '-'"),
+        ("      limit: 1\n", "      limit: lots\n",
+         ": deployments.1.concurrency_limit.limit: Input should be a valid integer, unable to parse string as an integer"),
+        ("    work_pool: *tessera_local\n\n  - name: prepare", "    work_pool: {name: gpu}\n\n  - name: prepare",
+         ": deployments.0 (pretrain): work pool 'gpu' is not under definitions.work_pools"),
+    ],
+)
+def test_a_bad_prefect_yaml_is_one_line(tmp_path, old, new, message):
+    text = (ROOT / "prefect.yaml").read_text()
+    assert old in text
+    (tmp_path / "prefect.yaml").write_text(text.replace(old, new, 1))
+    with pytest.raises(DeployError) as exc:
+        load_project(tmp_path)
+    line = text.splitlines().index("deployments:") + 2  # the first "- name:" under it
+    assert str(exc.value) == f"{tmp_path / 'prefect.yaml'}{message.format(line=line)}"
+
+
+def _ours(path: Path) -> list[psutil.Process]:
+    """Processes whose command line names `path`: what a tessera up on that work dir would have started."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(path) in arg for arg in proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+def test_up_on_a_port_in_use_says_so_and_starts_nothing(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        mlflow_port = free_port()
+        run = tessera("up", str(tiny_recipe(tmp_path)), "--work-dir", str(tmp_path / "work"),
+                      "--prefect-port", str(port), "--mlflow-port", str(mlflow_port))  # fmt: skip
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        f"tessera: error: --prefect-port {port}: 127.0.0.1:{port} is already in use; pick another port or stop what listens there"
+    ]
+    assert _ours(tmp_path) == [] and not answers(f"http://127.0.0.1:{mlflow_port}/health")
+
+
+def test_a_service_dying_during_start_up_is_one_line_and_stops_the_rest(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    text = recipe.read_text().replace(f"sqlite:///{tmp_path / 'mlflow.db'}", "mysql://nobody@127.0.0.1:1/none")
+    recipe.write_text(text)  # MLflow exits at once: this environment has no MySQL driver
+    process, prefect_port, _, output = start_tessera_up(recipe, tmp_path / "work")
+    assert process.wait(timeout=180) == 1
+    log = tmp_path / "work" / "up" / "mlflow.log"
+    assert output.read_text().splitlines() == [
+        f"tessera: error: mlflow exited during start-up (exit code 1); see {log}"
+    ]
+    assert "MySQLdb" in log.read_text()
+    # the Prefect server it had started is gone with it
+    assert not answers(f"http://127.0.0.1:{prefect_port}/api/health")
+    assert [p for p in _ours(tmp_path) if p.is_running()] == []
+
+
+def test_a_run_triggered_through_the_api_runs_on_the_worker(live_stack):
+    flow_run = run_deployment(live_stack.api_url, "prepare_data/prepare", {"recipe": str(live_stack.recipe)})
+    pid = live_stack.flow_run_pid(flow_run, timeout=60)
+    assert pid is not None, "no process runs the flow run"
+    engine = psutil.Process(pid)
+    assert engine.environ()["PREFECT__FLOW_RUN_ID"] == flow_run
+    assert engine.ppid() == live_stack.worker_pid and os.getsid(pid) == pid  # the worker's child, its own session
+    state = final_state(live_stack.api_url, flow_run, timeout=300)
+    assert state["type"] == "COMPLETED", state["message"]
+    # data/... paths of the recipe resolved against the checkout the deployment points at
+    root = Path(load_recipe(live_stack.recipe).data.root)
+    assert sorted(p.parent.name.split("-")[0] for p in root.glob("*/provenance.json")) == ["literary", "stories"]
+
+
+def test_mlflow_stops_and_restarts_on_its_port_while_the_stack_stays_up(live_stack):
+    live_stack.mlflow_stop()
+    assert live_stack.process.poll() is None and answers(f"{live_stack.api_url}/health")
+    live_stack.mlflow_start()
+    experiments = httpx.post(f"{live_stack.mlflow_url}/api/2.0/mlflow/experiments/search", json={"max_results": 10},
+                             timeout=10)  # fmt: skip
+    assert experiments.status_code == 200
+    assert live_stack.process.poll() is None
+
+
+def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
+    sibling = subprocess.Popen(["sleep", "600"])  # ours, not tessera up's: it must survive
+    recipe = tiny_recipe(tmp_path)
+    up, prefect_port, mlflow_port, output = start_tessera_up(recipe, tmp_path / "work", "--no-deploy")
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "work" / "up" / "state.json").exists():  # written once everything answers
+            assert up.poll() is None, output.read_text()
+            assert time.monotonic() < deadline, output.read_text()
+            time.sleep(1)
+        deployed = tessera("deploy", "pretrain", env={"PREFECT_API_URL": api})  # one deployment, one line
+        assert deployed.returncode == 0, deployed.stderr
+        pretrain = deployment(api, "pretrain_pipeline/pretrain")
+        assert deployed.stdout.split() == ["pretrain_pipeline/pretrain",
+                                           f"http://127.0.0.1:{prefect_port}/deployments/deployment/{pretrain['id']}"]
+        assert pretrain["work_pool_name"] == "tessera-local"
+        run_deployment(api, "pretrain_pipeline/pretrain", {"recipe": str(recipe)})
+        # wait until a trainer runs: flow run and trainer live in sessions of their own
+        while not any("trainers.train" in " ".join(p.cmdline()) for p in started_by(up.pid) if p.is_running()):
+            assert time.monotonic() < deadline, output.read_text()
+            time.sleep(1)
+        tree = started_by(up.pid)
+        assert {os.getsid(p.pid) for p in tree} - {os.getsid(up.pid)}, "expected processes in other sessions"
+
+        up.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        assert up.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(tree, timeout=max(0.0, 30 - (time.monotonic() - stopped)))
+        assert alive == [], [p.cmdline() for p in alive]
+        assert sibling.poll() is None
+        assert not answers(f"{api}/health") and not answers(f"http://127.0.0.1:{mlflow_port}/health")
+        assert output.read_text().splitlines()[-2:] == ["tessera up: stopping ...", "tessera up: stopped"]
+    finally:
+        if up.poll() is None:
+            stop_tree(started_by(up.pid))
+        sibling.kill()
+        sibling.wait()

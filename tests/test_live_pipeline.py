@@ -1,0 +1,261 @@
+"""tessera operated as a service: runs triggered, cancelled and killed through a real Prefect server and worker.
+
+Everything goes through `tessera up` (tests/conftest.py: live_stack): a real `prefect server`, a process
+worker on `tessera-local`, a real `mlflow server`, and the deployments of prefect.yaml. Flow runs are
+created through the REST API exactly as the UI creates them (a deployment, parameters from the form).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+DEPLOYMENT = "pretrain_pipeline/pretrain"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+# A shorter curriculum for the runs that are interrupted: 32 steps, a checkpoint (and gauntlet) every 8,
+# so the first stage has checkpoints at 8192 and 16384 tokens before its end at 24576.
+SHORT = {"stage_tokens": {"literary": 24576, "stories": 8192}, "eval_every": 8192}
+
+
+def _api(stack, method: str, path: str, **kw):
+    response = httpx.request(method, f"{stack.api_url}{path}", timeout=30, **kw)
+    response.raise_for_status()
+    return response.json() if response.content else None
+
+
+def trigger(stack, **params) -> str:
+    """Create a flow run of the pretrain deployment with these form values, as the UI's Run button does."""
+    deployment = _api(stack, "GET", f"/deployments/name/{DEPLOYMENT}")
+    run = _api(stack, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+               json={"parameters": {"params": {"recipe": str(stack.recipe), **params}}})  # fmt: skip
+    return run["id"]
+
+
+def flow_run(stack, run_id: str) -> dict:
+    return _api(stack, "GET", f"/flow_runs/{run_id}")
+
+
+def logs(stack, run_id: str) -> str:
+    rows = _api(stack, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
+                                                     "sort": "TIMESTAMP_ASC"})  # fmt: skip
+    return "\n".join(r["message"] for r in rows)
+
+
+def wait_state(stack, run_id: str, wanted: set[str], timeout: float = 900) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = flow_run(stack, run_id)
+        state = run["state"]["type"]
+        if state in wanted:
+            return run
+        if state in TERMINAL:
+            pytest.fail(f"flow run {run['name']} ended {state}: {run['state']['message']}\n{logs(stack, run_id)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"flow run {run['name']} still {state} after {timeout:.0f} s\n{logs(stack, run_id)}")
+        time.sleep(2)
+
+
+def run_dir(stack, name: str) -> Path:
+    return stack.work_dir / "runs" / name
+
+
+def trainer_pids(stack, name: str) -> list[int]:
+    """Trainer processes (launcher and ranks) of run `name`, found by their job file."""
+    job = run_dir(stack, name) / "job.json"
+    out = subprocess.run(["pgrep", "-f", f"trainers.train --job {job}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def wait_for_checkpoint(stack, name: str, tokens: int, timeout: float = 600) -> None:
+    from trainers.checkpoints import list_complete
+
+    deadline = time.monotonic() + timeout
+    while not any(c.tokens >= tokens for c in list_complete(run_dir(stack, name) / "checkpoints")):
+        assert time.monotonic() < deadline, f"run {name}: no checkpoint at {tokens} tokens after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def final_weights(stack, name: str) -> dict[str, torch.Tensor]:
+    from trainers.checkpoints import list_complete
+
+    last = list_complete(run_dir(stack, name) / "checkpoints")[-1]
+    return torch.load(last.path, map_location="cpu", weights_only=False)["state"]["model"]
+
+
+def mlflow_client(stack):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(stack.mlflow_url, stack.mlflow_url)
+
+
+def mlflow_run(stack, name: str):
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("tessera-tiny")
+    return client.search_runs([experiment.experiment_id], f"tags.`tessera.run_name` = '{name}'")[0]
+
+
+def launches(stack, name: str, stage: str) -> str:
+    return (run_dir(stack, name) / "logs" / stage / "rank0.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def interrupted(live_stack):
+    """Run `chain` cancelled from the UI mid-stage, rerun and SIGKILLed mid-stage, rerun to completion.
+
+    Returns what each step observed; the tests below assert on it.
+    """
+    stack, name, seen = live_stack, "chain", {}
+    first = trigger(stack, run_name=name, **SHORT)
+    wait_for_checkpoint(stack, name, 8192)
+    assert trainer_pids(stack, name), "the trainer should be running mid-stage"
+    cancelled_at = time.monotonic()
+    _api(stack, "POST", f"/flow_runs/{first}/set_state", json={"state": {"type": "CANCELLING", "name": "Cancelling"}})
+    while trainer_pids(stack, name) and time.monotonic() - cancelled_at < 60:
+        time.sleep(0.5)
+    seen["cancel_stop_s"] = time.monotonic() - cancelled_at
+    seen["cancelled"] = wait_state(stack, first, {"CANCELLED"}, timeout=120)
+    seen["after_cancel"] = mlflow_run(stack, name)
+
+    second = trigger(stack, run_name=name, if_running="wait", **SHORT)
+    wait_for_checkpoint(stack, name, 16384)
+    pid = stack.flow_run_pid(second, timeout=30)
+    assert pid is not None and trainer_pids(stack, name)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while trainer_pids(stack, name) and time.monotonic() - killed_at < 60:
+        time.sleep(0.2)
+    seen["kill_stop_s"] = time.monotonic() - killed_at
+    seen["crashed"] = wait_state(stack, second, {"CRASHED", "FAILED"}, timeout=120)
+    deadline = time.monotonic() + 60  # the worker's on_crashed hook marks the MLflow run
+    while mlflow_run(stack, name).info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(1)
+    seen["after_kill"] = mlflow_run(stack, name)
+
+    third = trigger(stack, run_name=name, if_running="wait", **SHORT)  # waits out the dead run's lease if needed
+    seen["resumed"] = wait_state(stack, third, {"COMPLETED"})
+    seen["logs"] = {stage: launches(stack, name, stage) for stage in ("literary", "stories")}
+    return seen
+
+
+def test_cancel_from_the_ui_stops_every_rank_and_marks_the_mlflow_run(interrupted):
+    assert interrupted["cancel_stop_s"] < 30, f"trainer still alive {interrupted['cancel_stop_s']:.0f} s after cancel"
+    assert interrupted["cancelled"]["state"]["type"] == "CANCELLED"
+    run = interrupted["after_cancel"]
+    # the flow's own handler and Prefect's on_cancellation hook both say so; whichever wrote last
+    assert run.info.status == "KILLED" and "cancel" in run.data.tags["tessera.end"].lower()
+
+
+def test_a_killed_flow_process_takes_its_trainer_with_it(interrupted):
+    # the trainer's ranks watch the flow-run process; kill -9 of that process ends them within seconds
+    assert interrupted["kill_stop_s"] < 15, f"trainer still alive {interrupted['kill_stop_s']:.0f} s after kill -9"
+    run = interrupted["after_kill"]
+    assert run.info.status == "FAILED", "the on_crashed hook should have marked the MLflow run"
+    assert "Crashed" in run.data.tags["tessera.end"]
+
+
+def test_each_rerun_resumes_from_the_last_checkpoint(interrupted):
+    literary = interrupted["logs"]["literary"]
+    assert literary.count("fresh at 0 tokens") == 1
+    resumes = [int(line.split("resume at ")[1].split()[0]) for line in literary.splitlines() if "resume at " in line]
+    assert len(resumes) >= 2 and resumes[0] >= 8192 and resumes[-1] >= 16384
+
+
+def test_two_clicks_on_one_run_name_train_once(live_stack, interrupted):
+    """Two runs of `twin` at once: one trains, the other is refused naming it; the result equals a single run."""
+    stack = live_stack
+    a, b = trigger(stack, run_name="twin", **SHORT), trigger(stack, run_name="twin", **SHORT)
+    ends = {}
+    for run_id in (a, b):
+        deadline = time.monotonic() + 900
+        while (state := flow_run(stack, run_id))["state"]["type"] not in TERMINAL:
+            assert time.monotonic() < deadline
+            time.sleep(2)
+        ends[run_id] = state
+    kinds = sorted(s["state"]["type"] for s in ends.values())
+    assert kinds == ["COMPLETED", "FAILED"], kinds
+    refused = next(s for s in ends.values() if s["state"]["type"] == "FAILED")
+    winner = next(s for s in ends.values() if s["state"]["type"] == "COMPLETED")
+    assert f"run 'twin' is already running in flow run 'twin' ({winner['id']}" in refused["state"]["message"]
+    # one trainer went through the folder: one fresh start, no resume, and the weights of an uninterrupted
+    # run, which the cancelled, killed and twice resumed `chain` must also have reached bit for bit
+    assert launches(stack, "twin", "literary").count("fresh at 0 tokens") == 1
+    twin, chain = final_weights(stack, "twin"), final_weights(stack, "chain")
+    assert twin.keys() == chain.keys() and all(torch.equal(twin[k], chain[k]) for k in twin)
+
+
+def test_a_ui_run_survives_a_60s_tracking_outage_and_records_everything(live_stack):
+    """The form with one override (MLflow through the server), MLflow down for 60 s mid-training."""
+    stack, name = live_stack, "ui-run"
+    run_id = trigger(stack, run_name=name, tracking_uri=stack.mlflow_url)
+    client = mlflow_client(stack)
+    deadline = time.monotonic() + 600
+    while True:  # some steps have reached MLflow: training is under way
+        try:
+            if client.get_metric_history(mlflow_run(stack, name).info.run_id, "train/loss"):
+                break
+        except (IndexError, Exception):  # noqa: BLE001 - the run may not exist yet
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    stack.mlflow_stop()
+    time.sleep(60)
+    stack.mlflow_start()
+    done = wait_state(stack, run_id, {"COMPLETED"})
+
+    # Prefect: named after the run, tagged, linked to MLflow, progress said in the log
+    assert done["name"] == name and {"run:ui-run", "recipe:tiny", "tessera"} <= set(done["tags"])
+    text = logs(stack, run_id)
+    assert "stage literary: step" in text and "tok/s" in text and "ETA" in text
+    mlrun = mlflow_run(stack, name)
+    links = _api(stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-mlflow-run"]}},
+                                                          "limit": 5})  # fmt: skip
+    # Prefect 3.8 stores a link artifact as markdown: [MLflow run ui-run](url)
+    assert links and mlrun.info.run_id in links[0]["data"] and links[0]["data"].startswith("[MLflow run ui-run](")
+    progress = _api(stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-train-literary"]}},
+                                                             "limit": 5})  # fmt: skip
+    assert progress and progress[0]["type"] == "progress" and float(progress[0]["data"]) == 100.0
+
+    # MLflow: every step once although the server was down for a minute, and no relaunch to get there
+    steps = [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")]
+    assert sorted(steps) == [1024 * k for k in range(1, 49)], "each of the 48 steps exactly once"
+    assert "resume at" not in launches(stack, name, "literary") + launches(stack, name, "stories")
+    gauntlet = client.get_metric_history(mlrun.info.run_id, "gauntlet/core_average")
+    assert sorted(m.step for m in gauntlet) == [16384, 32768, 49152]
+
+    # what was run: params, the resolved recipe and the job, the code, and the way back to Prefect
+    assert mlrun.data.params["stage.literary.tokens"] == "32768" and mlrun.data.params["train.optim.lr"] == "0.003"
+    assert mlrun.data.params["data.vocab_size"] == "50277"
+    tags = mlrun.data.tags
+    assert tags["tessera.prefect.flow_run_id"] == run_id and run_id in tags["tessera.prefect.flow_run_url"]
+    assert tags["tessera.recipe_path"] == str(stack.recipe) and len(tags["tessera.git_sha"]) >= 40
+    assert {a.path for a in client.list_artifacts(mlrun.info.run_id, "recipe")} == {"recipe/recipe.yaml", "recipe/job.json"}
+    versions = client.search_model_versions(f"name = 'tessera-tiny' and run_id = '{mlrun.info.run_id}'")
+    assert sorted(int(v.tags["tokens"]) for v in versions) == [16384, 32768, 49152]
+    aliases = client.get_registered_model("tessera-tiny").aliases
+    assert {"latest-checkpoint", "best", "champion"} <= set(aliases)
+
+
+def test_bad_form_values_are_refused_before_anything_runs(live_stack):
+    """Out-of-bounds values are rejected by the server (enforced schema); a bad recipe fails in one line."""
+    stack = live_stack
+    deployment = _api(stack, "GET", f"/deployments/name/{DEPLOYMENT}")
+    refused = httpx.post(f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run", timeout=30,
+                         json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}})  # fmt: skip
+    assert refused.status_code == 409 and "lr" in refused.text  # no flow run was created at all
+    run_id = trigger(stack, recipe="configs/no-such-recipe.yaml")
+    deadline = time.monotonic() + 300
+    while (run := flow_run(stack, run_id))["state"]["type"] not in TERMINAL:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert run["state"]["type"] == "FAILED"
+    assert "configs/no-such-recipe.yaml: recipe file not found" in run["state"]["message"]
+    assert "Traceback" not in logs(stack, run_id)

@@ -1,0 +1,363 @@
+"""Metrics to MLflow off the training step's critical path: a queue, a write-ahead journal, a shipper thread.
+
+Why: a tracking-server blip (a restart, a network partition, a sqlite store busy under load)
+must never cost a training restart, nor hold a step for more than a few milliseconds, nor lose
+or double a metric.
+
+How:
+- The training thread `put`s rows (one step's metrics, or run tags) into an in-memory queue.
+- Queued rows are appended to the journal `<save_folder>/<run>-metrics-pending.jsonl` (fsynced)
+  before any attempt to send them, and whenever the trainer asks (`persist`, at every checkpoint
+  boundary). The marker `<run>-metrics-logged.json` then records the last step journaled: a
+  relaunch re-trains the steps after its checkpoint and must not record those again, while what
+  the journal still holds is delivered first, in order, by the relaunch's outbox.
+- A daemon thread sends the journaled rows in order with `MlflowClient.log_batch` and appends an
+  ack once a chunk is in; when nothing journaled is left the journal is removed. While the server
+  fails it retries with a capped backoff, logging one warning when delivery starts failing and one
+  when it recovers. MLflow's own HTTP retries and timeouts (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+  MLFLOW_HTTP_REQUEST_TIMEOUT) only ever stall this thread.
+- Each row keeps the wall-clock time it was recorded at. MLflow's SQL stores key a metric by
+  (key, timestamp, step, value) and skip one already stored, so a chunk sent twice (delivered, then
+  a kill before its ack; or a request that timed out on our side after the server committed it)
+  is stored once.
+- A chunk the server refuses for good (a deleted run, an invalid value) is dropped with a warning,
+  so one bad row never holds back the rows after it.
+
+Journal lines: {"seq": n, "run_id": r, "tokens": t | null, "metrics": [[key, value, timestamp_ms,
+step], ...], "tags": [[key, value], ...]} and {"ack": n} (rows up to seq n delivered or dropped).
+Rows are delivered to the current job's tracking URI, under the run id they were recorded for.
+
+No torch or Composer imports: the flow may deliver a finished run's leftovers with `deliver_pending`
+(holding the run's lease, trainers.lease, so that no trainer writes the journal meanwhile).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainers.config import MlflowTarget
+
+log = logging.getLogger("tessera.train")
+THREAD_NAME = "tessera-mlflow-outbox"
+
+
+class _QuietShipper(logging.Filter):
+    """urllib3 warns on every retry of every request; for the shipper, one line per outage says it (below)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD_NAME
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietShipper())
+
+CLOSE_WAIT_ENV = "TESSERA_METRICS_CLOSE_WAIT_S"
+DEFAULT_CLOSE_WAIT_S = 120.0
+FIRST_RETRY_S = 1.0
+# The cap bounds how stale the dashboard stays once the server is back; a failing attempt against a
+# dead server costs one refused connection, so retrying every 10 s costs nothing.
+MAX_RETRY_S = 10.0
+# MLflow refuses larger batches (log_batch limits).
+MAX_METRICS, MAX_TAGS = 1000, 100
+# Error codes that mean "never": sending the same chunk again would fail the same way.
+_PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST"}
+
+
+def journal_path(folder: str | Path, run_name: str) -> Path:
+    return Path(folder) / f"{run_name}-metrics-pending.jsonl"
+
+
+def marker_path(folder: str | Path, run_name: str) -> Path:
+    return Path(folder) / f"{run_name}-metrics-logged.json"
+
+
+def read_marker(path: Path, run_id: str) -> int:
+    """Tokens up to which an earlier launch journaled or delivered the metrics of MLflow run `run_id`."""
+    if not path.exists():
+        return 0
+    marker = json.loads(path.read_text())
+    return int(marker["tokens"]) if marker.get("mlflow_run_id") == run_id else 0
+
+
+@dataclass
+class _Row:
+    run_id: str
+    tokens: int | None  # the step; None for tags
+    metrics: list[tuple[str, float, int, int]]  # (key, value, timestamp_ms, step)
+    tags: list[tuple[str, str]]
+    seq: int = 0
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.size = len(self.metrics) + len(self.tags)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"seq": self.seq, "run_id": self.run_id, "tokens": self.tokens, "metrics": self.metrics, "tags": self.tags}
+        )
+
+    @classmethod
+    def from_record(cls, record: dict) -> _Row:
+        metrics = [(str(k), float(v), int(ts), int(step)) for k, v, ts, step in record["metrics"]]
+        tags = [(str(k), str(v)) for k, v in record["tags"]]
+        return cls(record["run_id"], record["tokens"], metrics, tags, int(record["seq"]))
+
+
+class Outbox:
+    """Rows for one MLflow run, delivered in order by a background thread; see the module docstring.
+
+    `logged_until` is where the marker stands for this launch (0 when the caller re-logs on
+    purpose, after a rollback); it only moves forward from there.
+    """
+
+    def __init__(self, target: MlflowTarget, folder: str | Path, run_name: str, logged_until: int = 0):
+        self.target = target
+        self.journal = journal_path(folder, run_name)
+        self.marker = marker_path(folder, run_name)
+        self._cond = threading.Condition()  # guards the queue; never held across I/O
+        self._io = threading.Lock()  # serialises journal and marker writes (training thread vs shipper)
+        self._queue: deque[_Row] = deque()
+        self._journaled = 0  # the queue's first rows that are in the journal (journaled in order)
+        self._seq = 0
+        self._accounted = logged_until
+        self._wake = False
+        self._stopping = False
+        self._failing_since: float | None = None
+        self._client = None
+        self._load_journal()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training thread: memory and local disk only
+
+    def put(self, tokens: int | None, metrics: Mapping[str, float] | None = None, tags: Mapping[str, str] | None = None) -> None:
+        """Queue one step's metrics (step = tokens) and/or run tags, stamped now; non-finite values are left out."""
+        now = int(time.time() * 1000)
+        step = tokens or 0
+        values = [(k, float(v), now, step) for k, v in (metrics or {}).items() if math.isfinite(v)]
+        row = _Row(self.target.run_id, tokens, values, list((tags or {}).items()))
+        if not row.size:
+            return
+        with self._cond:
+            self._seq += 1
+            row.seq = self._seq
+            self._queue.append(row)
+
+    def flush(self) -> None:
+        """Ask the shipper to deliver what is queued now; returns at once."""
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+
+    def persist(self) -> None:
+        """Journal every queued row (fsynced) and move the marker: after this a kill loses none of them."""
+        with self._io:
+            self._journal_queued()
+
+    def close(self, wait_s: float) -> int:
+        """Persist, wait up to wait_s for delivery, stop the shipper; returns the rows left in the journal."""
+        self.persist()
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+            while self._queue and time.monotonic() < deadline:
+                self._cond.wait(timeout=deadline - time.monotonic())
+            left = len(self._queue)
+            self._stopping = True
+            self._cond.notify_all()
+        if left:
+            # One line, and no join: the thread may sit in an HTTP call for MLFLOW_HTTP_REQUEST_TIMEOUT.
+            log.warning(
+                "metrics: %d row(s) not delivered to MLflow at %s within %.0f s; they stay in %s for the next launch",
+                left, self.target.tracking_uri, wait_s, self.journal,
+            )  # fmt: skip
+        else:
+            self._thread.join(timeout=5)
+        return left
+
+    # ------------------------------------------------------------ journal and marker (callers hold self._io)
+
+    def _journal_queued(self) -> None:
+        with self._cond:
+            rows = list(itertools.islice(self._queue, self._journaled, None))
+        if not rows:
+            return
+        with open(self.journal, "a") as f:
+            f.write("".join(row.to_json() + "\n" for row in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        with self._cond:
+            self._journaled += len(rows)
+        steps = [r.tokens for r in rows if r.tokens is not None and r.run_id == self.target.run_id]
+        if steps and max(steps) > self._accounted:
+            self._accounted = max(steps)
+            tmp = self.marker.with_name(f".tmp-{self.marker.name}")
+            tmp.write_text(json.dumps({"mlflow_run_id": self.target.run_id, "tokens": self._accounted}))
+            os.replace(tmp, self.marker)
+
+    def _retire(self, chunk: list[_Row]) -> None:
+        """The chunk is delivered (or dropped): out of the queue, acked in the journal."""
+        with self._io:
+            with self._cond:
+                for _ in chunk:
+                    self._queue.popleft()
+                self._journaled -= len(chunk)
+                journaled_left = self._journaled
+                self._cond.notify_all()
+            if not journaled_left:  # everything the journal holds is in: it has nothing left to say
+                self.journal.unlink(missing_ok=True)
+                return
+            with open(self.journal, "a") as f:
+                f.write(json.dumps({"ack": chunk[-1].seq}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def _load_journal(self) -> None:
+        """Queue what an earlier launch journaled but could not deliver, ahead of anything new."""
+        if not self.journal.exists():
+            return
+        data = self.journal.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) < len(data):
+            # A kill mid-append tore the last line. It was never fsynced, so no marker counts its
+            # steps: the relaunch re-trains and records them. Cut it, or the next append would glue onto it.
+            os.truncate(self.journal, len(whole))
+        rows, acked, unreadable = [], 0, 0
+        for line in whole.splitlines():
+            try:
+                record = json.loads(line)
+                if "ack" in record:
+                    acked = max(acked, int(record["ack"]))
+                else:
+                    rows.append(_Row.from_record(record))
+            except (ValueError, KeyError, TypeError):  # not ours to repair, and no reason to stop training
+                unreadable += 1
+        if unreadable:
+            log.warning("metrics: skipped %d unreadable line(s) of %s", unreadable, self.journal)
+        self._seq = max([acked, *(r.seq for r in rows)])
+        pending = [r for r in rows if r.seq > acked]
+        if not pending:
+            self.journal.unlink()
+            return
+        self._queue.extend(pending)
+        self._journaled = len(pending)
+        self._wake = True
+        log.info("metrics: %d row(s) journaled by an earlier launch go to MLflow first (%s)", len(pending), self.journal)
+
+    # ------------------------------------------------------------ shipper thread
+
+    def _run(self) -> None:
+        delay = 0.0
+        while True:
+            with self._cond:
+                if delay:  # failing: retry on the backoff schedule, whether or not more rows came
+                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
+                else:
+                    self._cond.wait_for(lambda: self._stopping or (self._wake and bool(self._queue)))
+                if self._stopping:
+                    return
+                self._wake = False
+            delay = 0.0 if self._ship() else min(max(2 * delay, FIRST_RETRY_S), MAX_RETRY_S)
+
+    def _ship(self) -> bool:
+        """Deliver everything queued; False when the server failed (the rest waits for the next try)."""
+        while not self._stopping:
+            with self._io:
+                self._journal_queued()  # write-ahead: nothing is sent that a kill could then lose track of
+            chunk = self._head_chunk()
+            if not chunk:
+                return True
+            try:
+                self._send(chunk)
+            except Exception as exc:  # noqa: BLE001 - whatever MLflow raises, training must not see it
+                if not _permanent(exc):
+                    self._failed(exc)
+                    return False
+                log.warning(
+                    "metrics: MLflow at %s refused %d row(s) for good, dropping them: %s",
+                    self.target.tracking_uri, len(chunk), _one_line(exc),
+                )  # fmt: skip
+            else:
+                self._recovered()
+            self._retire(chunk)
+        return True
+
+    def _head_chunk(self) -> list[_Row]:
+        """The first journaled rows of one MLflow run, within log_batch's limits."""
+        chunk: list[_Row] = []
+        metrics = tags = 0
+        with self._cond:
+            for row in itertools.islice(self._queue, self._journaled):
+                if chunk and (
+                    row.run_id != chunk[0].run_id
+                    or metrics + len(row.metrics) > MAX_METRICS
+                    or tags + len(row.tags) > MAX_TAGS
+                ):
+                    break
+                chunk.append(row)
+                metrics += len(row.metrics)
+                tags += len(row.tags)
+        return chunk
+
+    def _send(self, chunk: list[_Row]) -> None:
+        from mlflow.entities import Metric, RunTag
+        from mlflow.tracking import MlflowClient
+
+        if self._client is None:
+            self._client = MlflowClient(self.target.tracking_uri)
+        self._client.log_batch(
+            chunk[0].run_id,
+            metrics=[Metric(k, v, ts, step) for row in chunk for k, v, ts, step in row.metrics],
+            tags=[RunTag(k, v) for row in chunk for k, v in row.tags],
+            synchronous=True,
+        )
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.warning(
+                "metrics: MLflow at %s is not accepting metrics (%s); training goes on, metrics are kept "
+                "in %s and retried every %.0f s at most",
+                self.target.tracking_uri, _one_line(exc), self.journal, MAX_RETRY_S,
+            )  # fmt: skip
+
+    def _recovered(self) -> None:
+        if self._failing_since is not None:
+            log.warning(
+                "metrics: MLflow at %s accepts metrics again after %.0f s; delivering the rows held back",
+                self.target.tracking_uri, time.monotonic() - self._failing_since,
+            )  # fmt: skip
+            self._failing_since = None
+
+
+def _permanent(exc: BaseException) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(exc, MlflowException) and exc.error_code in _PERMANENT
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def close_wait_s() -> float:
+    return float(os.environ.get(CLOSE_WAIT_ENV, DEFAULT_CLOSE_WAIT_S))
+
+
+def deliver_pending(target: MlflowTarget, folder: str | Path, run_name: str, wait_s: float | None = None) -> int:
+    """Deliver what a run's journal still holds (waiting up to wait_s); returns the rows left in it."""
+    if not journal_path(folder, run_name).exists():
+        return 0
+    outbox = Outbox(target, folder, run_name, read_marker(marker_path(folder, run_name), target.run_id))
+    return outbox.close(close_wait_s() if wait_s is None else wait_s)

@@ -1,0 +1,49 @@
+"""Progress lines: rank 0 prints `tessera.progress {json}` to stdout for whoever watches the job log.
+
+The flow relays them (to the Prefect UI) by parsing the log with `parse_progress`; this module
+imports neither torch nor Composer so that the flow can. The Composer callback that prints
+them is trainers.callbacks.Progress.
+
+Fields of a line:
+    stage, stage_index      the stage being trained (name, 0-based index)
+    step                    optimizer steps since the start of the run
+    tokens                  tokens of the run trained so far
+    stage_start, stage_end  the stage's token range [start, end) within the run
+    loss                    the last step's loss (null if it was not finite)
+    tokens_per_sec          over the window since the previous line of this launch
+    elapsed_s               since this launch started training
+
+A launch prints one after its first step, then at most every TESSERA_PROGRESS_S seconds
+(default 10), and one after the step that ends the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+PREFIX = "tessera.progress"
+INTERVAL_ENV = "TESSERA_PROGRESS_S"
+DEFAULT_INTERVAL_S = 10.0
+FIELDS = ("stage", "stage_index", "step", "tokens", "stage_start", "stage_end", "loss", "tokens_per_sec", "elapsed_s")
+
+
+def format_progress(record: Mapping[str, object]) -> str:
+    """One line (no newline) for a record holding FIELDS; non-finite floats become null (strict JSON)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return f"{PREFIX} {json.dumps(clean, separators=(',', ':'), allow_nan=False)}"
+
+
+def parse_progress(line: str) -> dict | None:
+    """The record of a progress line, or None for any other line (or a mangled one)."""
+    text = line.strip()
+    if not text.startswith(PREFIX + " "):
+        return None
+    try:
+        record = json.loads(text[len(PREFIX) + 1 :])
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not all(k in record for k in FIELDS):
+        return None
+    return record
