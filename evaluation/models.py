@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.errors import GauntletError
+from trainers.mlflow_model import download_model
 
 _SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
@@ -72,44 +73,15 @@ def _hf_dir_under(root: Path) -> Path | None:
     return None
 
 
-def _resolve_model_uri(client, uri: str):
-    """The model version a `models:/name@alias` or `models:/name/N` URI names."""
-    ref = uri.removeprefix("models:/")
-    if "@" in ref:
-        name, alias = ref.split("@", 1)
-        return client.get_model_version_by_alias(name, alias)
-    name, _, version = ref.rpartition("/")
-    if not name or not version.isdigit():
-        raise GauntletError(f"{uri}: expected models:/name@alias or models:/name/<version>")
-    return client.get_model_version(name, version)
-
-
 def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise GauntletError(f"{uri}: an MLflow model URI needs a tracking URI (--tracking-uri or MLFLOW_TRACKING_URI)")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     dest = tempfile.mkdtemp(prefix="tessera-eval-model-")
-    # Resolved through our own client: mlflow's models:/ download path falls back to the default
-    # tracking store and would create ./mlflow.db in the working directory.
     try:
-        if uri.startswith("runs:/"):
-            run_id, _, path = uri.removeprefix("runs:/").partition("/")
-            local = client.download_artifacts(run_id, path, dest)
-        else:
-            source = _resolve_model_uri(client, uri).source
-            if source.startswith("runs:/"):
-                run_id, _, path = source.removeprefix("runs:/").partition("/")
-                local = client.download_artifacts(run_id, path, dest)
-            elif Path(source.removeprefix("file://")).is_dir():
-                local = source.removeprefix("file://")
-            else:
-                local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest, tracking_uri=tracking_uri)
-    except GauntletError:
-        raise
+        local = download_model(uri, tracking_uri, dest)
+    except ValueError as exc:
+        raise GauntletError(str(exc)) from None
     except Exception as exc:  # MlflowException for unknown names, versions or aliases
         raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
     if (Path(local) / "MLmodel").is_file():

@@ -262,9 +262,28 @@ def live_stack(tmp_path_factory):
         stack.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_stray_tracking_store():
-    """MLflow 3 falls back to ./mlflow.db when a tracking URI is missing; no code path of ours may do that."""
+@pytest.fixture(autouse=True)
+def isolated_mlflow_globals(request):
+    """Each test starts with MLflow's process-wide tracking and registry URIs unset, and leaves them so.
+
+    `mlflow.set_registry_uri` in one test would otherwise redirect every later `MlflowClient(uri)` (whose
+    registry defaults to the global one) to that test's store. MLflow 3 falls back to ./mlflow.db when a
+    tracking URI is missing; no code path of ours may do that, and the check names the test that did.
+    """
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
     before = (ROOT / "mlflow.db").exists()
+    env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     yield
-    assert before or not (ROOT / "mlflow.db").exists(), "something fell back to MLflow's default ./mlflow.db"
+    tracking_utils._tracking_uri = None
+    registry_utils._registry_uri = None
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    stray = not before and (ROOT / "mlflow.db").exists()
+    if stray:
+        (ROOT / "mlflow.db").unlink()
+    assert not stray, f"{request.node.nodeid} fell back to MLflow's default ./mlflow.db"

@@ -184,7 +184,9 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
     assert out.metrics == pytest.approx(direct.metrics)  # the registered version is model a
     assert out.baseline_average is not None
     assert f"({out.average - out.baseline_average:+.4f})" in out.markdown
-    assert sorted(Path(f).name for f in out.files) == ["comparison.md", "report.html", "report.json", "report.md"]
+    assert sorted(Path(f).name for f in out.files) == [
+        "comparison.html", "comparison.md", "comparison.png", "report.html", "report.json", "report.md"]  # fmt: skip
+    assert "data:image/png;base64," in (tmp_path / "report" / "comparison.html").read_text()  # the plot travels inline
     assert list(cwd.iterdir()) == []
 
 

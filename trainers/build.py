@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +25,7 @@ from trainers.data import (
     clean_stale_shared_memory,
 )
 from trainers.exit_codes import FatalError, RetryableError
+from trainers.mlflow_model import download_model
 from trainers.resume import (
     PublishingCheckpointSaver,
     StartPlan,
@@ -157,12 +159,9 @@ def _resolve_model_uri(uri: str, job: TrainJob) -> str:
     """A local HF directory for `model.init_from`; MLflow registry URIs are downloaded first."""
     if not uri.startswith("models:/"):
         return uri
-    import mlflow.artifacts
-
     if job.mlflow is None:
         raise FatalError(f"model.init_from: {uri} is a registry URI but the job has no mlflow tracking target")
-    mlflow.set_registry_uri(job.mlflow.tracking_uri)  # models:/ resolves through the registry, not the tracking URI
-    return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=job.mlflow.tracking_uri)
+    return download_model(uri, job.mlflow.tracking_uri, tempfile.mkdtemp(prefix="tessera-init-"))
 
 
 def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:

@@ -48,3 +48,35 @@ def publish(model_dir: Path, uri: str) -> str:
 def model_uri_for(folder: str, tokens: int) -> str:
     """Where the MLflow Model of a run's checkpoint at `tokens` lives beside its checkpoints."""
     return f"{folder.rstrip('/')}/models/tok-{tokens:012d}"
+
+
+def model_version_for(client, uri: str):
+    """The model version a `models:/name@alias` or `models:/name/N` URI names (ValueError if malformed)."""
+    ref = uri.removeprefix("models:/")
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        return client.get_model_version_by_alias(name, alias)
+    name, _, version = ref.rpartition("/")
+    if not name or not version.isdigit():
+        raise ValueError(f"{uri}: expected models:/name@alias or models:/name/<version>")
+    return client.get_model_version(name, version)
+
+
+def download_model(uri: str, tracking_uri: str, dest: str) -> str:
+    """A local directory holding what a `models:/` or `runs:/` URI names.
+
+    Resolved through a client bound to `tracking_uri` for both tracking and registry: MLflow's own
+    `models:/` download path looks the run up in the process-default tracking store, which is
+    ./mlflow.db in the working directory when none is set.
+    """
+    import mlflow.artifacts
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    source = uri if uri.startswith("runs:/") else model_version_for(client, uri).source
+    if source.startswith("runs:/"):
+        run_id, _, path = source.removeprefix("runs:/").partition("/")
+        return client.download_artifacts(run_id, path, dest)
+    if Path(source.removeprefix("file://")).is_dir():
+        return source.removeprefix("file://")
+    return mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=dest, tracking_uri=tracking_uri)
