@@ -77,19 +77,21 @@ def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise GauntletError(f"{uri}: an MLflow model URI needs a tracking URI (--tracking-uri or MLFLOW_TRACKING_URI)")
-    dest = tempfile.mkdtemp(prefix="tessera-eval-model-")
-    try:
-        local = download_model(uri, tracking_uri, dest)
-    except ValueError as exc:
-        raise GauntletError(str(exc)) from None
-    except Exception as exc:  # MlflowException for unknown names, versions or aliases
-        raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
-    if (Path(local) / "MLmodel").is_file():
-        return _from_mlflow_model(Path(local), uri)
-    hf_dir = _hf_dir_under(Path(local))
-    if hf_dir is None:
-        raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
-    return _from_hf_dir(hf_dir, uri)
+    # The download lives only while the model loads: its weights end up in memory, and `tessera eval`
+    # used to leave a model-sized folder in /tmp on every call.
+    with tempfile.TemporaryDirectory(prefix="tessera-eval-model-") as dest:
+        try:
+            local = download_model(uri, tracking_uri, dest)
+        except ValueError as exc:
+            raise GauntletError(str(exc)) from None
+        except Exception as exc:  # MlflowException for unknown names, versions or aliases
+            raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
+        if (Path(local) / "MLmodel").is_file():
+            return _from_mlflow_model(Path(local), uri)
+        hf_dir = _hf_dir_under(Path(local))
+        if hf_dir is None:
+            raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
+        return _from_hf_dir(hf_dir, uri)
 
 
 def _from_mlflow_model(path: Path, source: str) -> LoadedModel:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import posixpath
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,9 @@ def _fetch(uri: str) -> str:
         return _FETCHED[uri]
     from composer.utils import get_file
 
-    dest = Path(tempfile.mkdtemp(prefix="tessera-eval-")) / posixpath.basename(uri)
+    folder = tempfile.mkdtemp(prefix="tessera-eval-")
+    atexit.register(shutil.rmtree, folder, True)  # cached for the process's life, gone with it
+    dest = Path(folder) / posixpath.basename(uri)
     try:
         get_file(uri, str(dest), overwrite=True)
     except FileNotFoundError:

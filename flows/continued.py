@@ -32,6 +32,7 @@ from tasks.artifacts import artifact_key
 from tasks.promote import Decision, champion_version, decide, record_decision
 from tasks.register import CHAMPION_ALIAS
 from tasks.tracking import client_for, resolved_uri, retrying
+from trainers.remote import fetch_folder
 
 
 class ContinueParams(RunTarget):
@@ -108,7 +109,10 @@ def _pinned_tokenizer(recipe: Recipe, base_run_id: str) -> dict:
     client = client_for(recipe.tracking)
     with tempfile.TemporaryDirectory() as tmp:
         job = json.loads(Path(client.download_artifacts(base_run_id, "recipe/job.json", tmp)).read_text())
-    return {**raw, "path": job["tokenizer_dir"], "train": None}
+    path = job["tokenizer_dir"]
+    if "://" in path:  # published beside the data under an s3:// root; the working copy is usually still here
+        path = str(fetch_folder(path, Path(recipe.data.local_root) / Path(path).name))
+    return {**raw, "path": path, "train": None}
 
 
 def _per_step(recipe: Recipe) -> int:

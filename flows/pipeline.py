@@ -12,7 +12,6 @@ and cancellation hooks, which Prefect's runner calls from outside it).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Literal
@@ -28,6 +27,8 @@ from flows.prepare import prepare_recipe_data
 from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, load_recipe
 from flows.runtime import prepare_process
 from infra import allow_launches, cancel_all
+from tasks import pins
+from tasks.artifacts import artifact_key
 from tasks.evaluate import evaluate_checkpoint
 from tasks.exclusive import one_per_run, run_tag
 from tasks.register import (
@@ -38,7 +39,6 @@ from tasks.register import (
 )
 from tasks.tracking import close_run, find_run, open_run, record_run, resolved_uri, run_ui_url
 from tasks.train import deliver_metrics, train_stage, write_job
-from tasks.artifacts import artifact_key
 from trainers.checkpoints import CheckpointInfo, list_complete
 from trainers.config import MlflowTarget, TrainJob
 
@@ -79,8 +79,11 @@ class _CheckpointWatcher:
 
     Evaluations run one at a time (they share the CPU with training) and registrations one at a
     time (alias moves must not interleave); a failed evaluation skips only its own registration.
-    Each checkpoint is hard-linked into `pins/` first, so a keep-last-K cleanup in the trainer
-    cannot delete it while it waits to be scored and exported.
+    Each checkpoint is pinned first (tasks/pins.py), so a keep-last-K cleanup in the trainer cannot
+    delete it while it waits to be scored and exported, and unpinned once registered. At most
+    `pins.MAX_WAITING` pinned checkpoints wait behind the one being scored: when the gauntlet is
+    slower than the checkpoint interval the oldest are skipped, each named in the log, so pins
+    never fill the disk.
     """
 
     def __init__(self, recipe: Recipe, run_id: str, run_dir: Path, run_name: str, remote_folder: str | None = None,
@@ -91,17 +94,53 @@ class _CheckpointWatcher:
         self.eval_cfg = recipe.eval.model_copy(update={"strict": True})
         self.remote_folder, self.version_tags = remote_folder, version_tags or {}
         self.pins = run_dir / "pins"
+        # Pins a crashed flow left: what is still in the save folder is pinned again as it is found.
+        stale = pins.drop_stale(self.pins, keep=set())
+        if stale:
+            get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
+        self.backlog: pins.Backlog[tuple[CheckpointInfo, CheckpointInfo]] = pins.Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
         self.pending: list[tuple[PrefectFuture, PrefectFuture, Path]] = []
         self.done: list[Registration] = []
         self.already = existing_registrations(recipe.tracking, run_id)
 
     def sweep(self, save_folder: Path) -> None:
+        self._unpin_finished()
         for ckpt in self._complete(save_folder):
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
-                self._submit(ckpt)
-        self._unpin_finished()
+                self._enqueue(ckpt)
+                self._submit_if_idle()
+        self._submit_if_idle()
+
+    def _enqueue(self, ckpt: CheckpointInfo) -> None:
+        if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
+            self.done.append(self.already[ckpt.tokens])
+            return
+        pinned = self._pin(ckpt)
+        if pinned is None:
+            return
+        if self._in_pods:  # pods read s3 and are bounded by a concurrency limit: nothing held locally
+            self._submit(ckpt, pinned)
+            return
+        for skipped, held in self.backlog.add((ckpt, pinned)):
+            get_run_logger().warning(
+                "skipping the gauntlet for the checkpoint at %d tokens (%s): evaluation is behind training, "
+                "%d newer checkpoints are waiting", skipped.tokens, skipped.path, pins.MAX_WAITING)  # fmt: skip
+            pins.unpin(Path(held.path))
+
+    def _scoring(self) -> bool:
+        """An evaluation is still running (local futures: no API round trip)."""
+        return bool(wait([summary for summary, _, _ in self.pending], timeout=0).not_done)
+
+    def _submit_if_idle(self) -> None:
+        if not self._scoring():
+            self._submit_next()
+
+    def _submit_next(self) -> None:
+        item = self.backlog.take()
+        if item is not None:
+            self._submit(*item)
 
     @property
     def _in_pods(self) -> bool:
@@ -117,22 +156,10 @@ class _CheckpointWatcher:
     def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
         if ckpt.path.startswith("s3://"):  # nothing local to pin; the evaluation pod reads it from s3
             return ckpt
-        self.pins.mkdir(parents=True, exist_ok=True)
-        pin = self.pins / Path(ckpt.path).name
-        try:
-            if not pin.exists():
-                os.link(ckpt.path, pin)
-        except FileNotFoundError:  # deleted between the listing and now: nothing left to score
-            return None
-        return ckpt.model_copy(update={"path": str(pin)})
+        held = pins.pin(ckpt.path, self.pins)
+        return None if held is None else ckpt.model_copy(update={"path": str(held)})
 
-    def _submit(self, ckpt: CheckpointInfo) -> None:
-        if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
-            self.done.append(self.already[ckpt.tokens])
-            return
-        pinned = self._pin(ckpt)
-        if pinned is None:
-            return
+    def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
         previous = self.pending[-1] if self.pending else None
         summary = evaluate_checkpoint.submit(
             pinned, self.eval_cfg, self.recipe.tracking, self.run_id, self.recipe.data.seq_len, self.run_name,
@@ -158,6 +185,8 @@ class _CheckpointWatcher:
 
     def results(self) -> list[Registration]:
         """Every registration, oldest first; raises the first evaluation or registration error."""
+        while len(self.backlog):  # training is over: what is still waiting is scored, in order
+            self._submit_next()
         wait([f for pair in self.pending for f in pair[:2]])
         self._unpin_finished()
         for summary, registration, _ in self.pending:
@@ -332,7 +361,7 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
             val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
             save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
             checkpoint_every_tokens=recipe.eval.every,
-            tokenizer_dir=str(prepared.tokenizer.hf_dir),
+            tokenizer_dir=prepared.tokenizer.uri or str(prepared.tokenizer.hf_dir),
             mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
         )
         job_path = write_job(job, run_dir / "job.json")

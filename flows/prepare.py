@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
@@ -12,7 +13,7 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel, Field
 
 from tasks import prepare as prepare_tasks
-from tasks.data import interrupt, mds, outputs, parallel, pipeline
+from tasks.data import interrupt, mds, outputs, parallel, pipeline, remote_root
 from tasks.data.config import DataConfig
 from tasks.data.errors import DataError
 from tasks.data.results import PreparedData, PreparedSource, summarize
@@ -57,6 +58,14 @@ def _progress_bars(data: DataConfig, logger, every_s: float = 20.0):
             bar.close()
 
 
+def _publish_tokenizer(tok: TokenizerInfo, root: str) -> TokenizerInfo:
+    """Beside the data in the bucket, done-marker last: a training pod cannot read the flow's disk."""
+    uri = f"{root.rstrip('/')}/{Path(tok.hf_dir).name}"
+    if not remote_root.is_done(uri):
+        remote_root.publish(tok.hf_dir, uri)
+    return tok.model_copy(update={"uri": uri})
+
+
 @flow(name="prepare-sources")
 def prepare_sources(data: DataConfig) -> PreparedData:
     """Tokenize each source into `<data.root>/<source>-<hash>`; finished sources are skipped."""
@@ -96,6 +105,8 @@ def prepare_sources(data: DataConfig) -> PreparedData:
             raise
     # A Prefect cache hit replays the first run's result; say what happened in this run.
     sources = {n: s.model_copy(update={"cached": was_done[n]}) for n, s in sources.items()}
+    if remote_root.is_remote(data.root):
+        tok = _publish_tokenizer(tok, data.root)
     prepared = PreparedData(tokenizer=tok, seq_len=data.seq_len, sources=sources)
 
     create_table_artifact(

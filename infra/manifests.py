@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infra.config import KubernetesConfig
+from trainers.config import CACHE_ENV
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "node"  # the one replicated job of a training JobSet: one Indexed Job of N pods
@@ -29,7 +30,6 @@ JOB_FILE = "job.json"
 WORK_DIR = "/var/tessera/work"
 POD_SAVE_FOLDER = f"{WORK_DIR}/checkpoints"
 CACHE_DIR = "/var/cache/tessera"
-CACHE_ENV = "TESSERA_CACHE_DIR"  # tells the trainer where the cache volume is mounted
 MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
 TRAIN_CONTAINER, EVAL_CONTAINER = "trainer", "evaluator"
 
@@ -352,18 +352,32 @@ def eval_job(cfg: KubernetesConfig, work: Workload, module: str, args: Sequence[
     }
 
 
-def pod_job_file(job_json: str) -> str:
+_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory/storage quantity ("500Gi", "1.5T") in bytes."""
+    number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()
+    return int(float(number) * _SUFFIX[suffix])
+
+
+def pod_job_file(job_json: str, cfg: KubernetesConfig) -> str:
     """The trainer's job as the pod sees it: checkpoints in the pod's scratch volume (mirrored to s3 by
-    the trainer), everything else as the flow wrote it."""
+    the trainer), everything else as the flow wrote it, except that a cache emptyDir bounds Streaming's
+    cache when the recipe did not: past its sizeLimit the kubelet evicts the pod, so the trainer keeps
+    to 90% of it."""
     job = json.loads(job_json)
     job["save_folder"] = POD_SAVE_FOLDER
+    if cfg.cache is not None and cfg.cache.claim_name is None and job["train"].get("stream_cache_limit") is None:
+        job["train"]["stream_cache_limit"] = str(quantity_bytes(cfg.cache.size) * 9 // 10)
     return json.dumps(job, indent=2)
 
 
 def stage_manifests(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str],
                     job_json: str, env: Mapping[str, str] = {}) -> list[dict]:  # fmt: skip
     """Every object of one training launch, in creation order."""
-    config_map = job_config_map(cfg, work, pod_job_file(job_json))
+    config_map = job_config_map(cfg, work, pod_job_file(job_json, cfg))
     if cfg.api == "jobset":
         return [config_map, jobset(cfg, work, ranks_per_node, module, args, env)]
     return [config_map, headless_service(cfg, work), indexed_job(cfg, work, ranks_per_node, module, args, env)]

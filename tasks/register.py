@@ -23,6 +23,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
 from tasks.evaluate import EvalSummary
+from tasks.retry import retry_unless
 from tasks.tracking import RUN_NAME_TAG, client_for
 from tasks.tracking_config import TrackingConfig
 from trainers.checkpoints import CheckpointInfo
@@ -185,7 +186,7 @@ def move_aliases(tracking: TrackingConfig, run_id: str) -> tuple[int, int]:
 
 
 @task(retries=7, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
-      task_run_name="register-tok-{checkpoint.tokens}")  # fmt: skip
+      retry_condition_fn=retry_unless(), task_run_name="register-tok-{checkpoint.tokens}")  # fmt: skip
 def register_checkpoint(
     checkpoint: CheckpointInfo,
     summary: EvalSummary,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def retry_unless(*permanent: type[BaseException]) -> Callable[..., bool]:
@@ -13,6 +16,10 @@ def retry_unless(*permanent: type[BaseException]) -> Callable[..., bool]:
             state.result()
         except permanent:
             return False
+        except OSError as exc:
+            # A full disk or quota is not freed by waiting a few seconds, and a retry that writes
+            # again only fills it further: fail now, naming the path.
+            return exc.errno not in DISK_FULL
         except Exception:  # noqa: BLE001 - crashes, I/O and lost peers may well pass on a second try
             return True
         return False

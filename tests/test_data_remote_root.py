@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.test_data_helpers import SHAKESPEARE, make_config
 
 
 def test_prepare_into_an_s3_root_publishes_done_last_and_reuses_it(tmp_path, moto_s3, prefect_harness):
-    from flows.prepare import prepare_sources
     from streaming import StreamingDataset
+    from transformers import AutoTokenizer
+
+    from flows.prepare import prepare_sources
+    from trainers.remote import fetch_folder
 
     moto_s3.create_bucket(Bucket="data")
     sources = [{"name": "plays", "paths": [str(SHAKESPEARE)], "separator": "\n\n", "val_fraction": 0.05}]
@@ -23,6 +27,13 @@ def test_prepare_into_an_s3_root_publishes_done_last_and_reuses_it(tmp_path, mot
     prefix = f"prepared/plays-{plays.hash}/"
     assert f"{prefix}_DONE" in keys and f"{prefix}provenance.json" in keys and f"{prefix}train/index.json" in keys
     assert not (tmp_path / "unused").exists()  # nothing lands in a local folder named after the URI
+
+    # the tokenizer is published beside the data, done-marker last: a training pod loads it from there
+    tok_name = Path(first.tokenizer.hf_dir).name
+    assert first.tokenizer.uri == f"s3://data/prepared/{tok_name}" and f"prepared/{tok_name}/_DONE" in keys
+    copy = fetch_folder(first.tokenizer.uri, tmp_path / "pod-cache" / tok_name)
+    text = "Shall I compare thee to a summer's day?"
+    assert AutoTokenizer.from_pretrained(copy).encode(text) == AutoTokenizer.from_pretrained(first.tokenizer.hf_dir).encode(text)
 
     # training streams it from the bucket: the samples are the ones written
     ds = StreamingDataset(remote=plays.path, local=str(tmp_path / "stream-cache"), shuffle=False, batch_size=1)

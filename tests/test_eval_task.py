@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,8 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
     mv = client.create_model_version("tiny", f"{client.get_run(run_id).info.artifact_uri}/checkpoints/tok-1", run_id)
     client.set_registered_model_alias("tiny", "best", mv.version)
 
+    downloads = lambda: set(Path(tempfile.gettempdir()).glob("tessera-eval-model-*"))  # noqa: E731
+    before = downloads()
     out = eval_command(
         "models:/tiny@best",
         small_gauntlet.tasks,
@@ -188,6 +191,7 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
         "comparison.html", "comparison.md", "comparison.png", "report.html", "report.json", "report.md"]  # fmt: skip
     assert "data:image/png;base64," in (tmp_path / "report" / "comparison.html").read_text()  # the plot travels inline
     assert list(cwd.iterdir()) == []
+    assert downloads() == before  # the model's download is gone once it is loaded
 
 
 def test_eval_command_raises_one_line_gauntlet_errors(prefect_harness, tmp_path):
@@ -206,3 +210,12 @@ def test_bad_input_is_not_retried():
 
     assert not retry_unless_bad_input(None, None, Failed(data=GauntletError("t.jsonl:3: malformed JSON")))
     assert retry_unless_bad_input(None, None, Failed(data=OSError("disk hiccup")))
+    # a full disk is not freed by retrying in a few seconds: evaluation, registration and prepare fail at once
+    import errno
+
+    from tasks.register import register_checkpoint
+
+    full = Failed(data=OSError(errno.ENOSPC, "No space left on device", "/work/runs/tiny/pins/c.pt"))
+    assert not retry_unless_bad_input(None, None, full)
+    assert not register_checkpoint.retry_condition_fn(None, None, full)
+    assert register_checkpoint.retry_condition_fn(None, None, Failed(data=ConnectionResetError("mlflow went away")))

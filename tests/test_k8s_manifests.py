@@ -158,6 +158,11 @@ def test_jobset_shape_command_and_failure_policy():
     # the ConfigMap carries the job with the pod's own checkpoint folder
     cm = _by_kind(objects)["ConfigMap"]
     assert json.loads(cm["data"][JOB_FILE])["save_folder"] == POD_SAVE_FOLDER
+    # ...and Streaming's cache held under the emptyDir's sizeLimit (500Gi), past which the kubelet evicts
+    assert env["TESSERA_CACHE_DIR"]["value"] == CACHE_DIR == "/var/cache/tessera"
+    assert int(json.loads(cm["data"][JOB_FILE])["train"]["stream_cache_limit"]) == 500 * 2**30 * 9 // 10
+    on_claim = _by_kind(_render(INDEXED_JOB))["ConfigMap"]  # a claim's size is not ours to know: no limit added
+    assert json.loads(on_claim["data"][JOB_FILE])["train"].get("stream_cache_limit") is None
 
 
 def test_no_secret_value_in_any_manifest():

@@ -53,6 +53,23 @@ def test_exit_code_classes():
     assert not set(FATAL) & set(RETRYABLE) and 0 not in FATAL | RETRYABLE
 
 
+def test_exit_code_classes_go_by_type_before_message():
+    """A message match alone once retried these forever: their paths and keys merely contain "store",
+    "socket" or "timeout"."""
+    import errno
+
+    import torch
+
+    assert classify(FileNotFoundError(2, "No such file or directory", "/mnt/datastore/shards/index.json")) in FATAL
+    assert classify(KeyError("socket_timeout")) in FATAL
+    assert classify(ValueError("tokenizer store path timeout.json is not a directory")) in FATAL
+    assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) in FATAL
+    assert classify(OSError(errno.ENOSPC, "No space left on device")) in FATAL
+    assert classify(torch.distributed.DistNetworkError("recv failed")) in RETRYABLE
+    assert classify(torch.distributed.DistStoreError("wait timeout")) in RETRYABLE
+    assert classify(ConnectionResetError(errno.ECONNRESET, "reset")) in RETRYABLE
+
+
 def test_presets_param_count_and_flops():
     from trainers.model import PRESETS, build_model, flops_per_token, matmul_params, total_params
 
@@ -108,7 +125,7 @@ def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
     from trainers.config import LossGuardConfig
 
     saver = SimpleNamespace(last_saved_tokens=None)
-    guard = LossGuard(LossGuardConfig(spike_factor=2.0, warmup_steps=3), 1, 1000, 8, saver)
+    guard = LossGuard(LossGuardConfig(spike_factor=2.0, warmup_steps=3), 1, 1000, 8, saver, vocab_size=512)
 
     def step(loss, tokens):
         guard.batch_end(SimpleNamespace(total_loss_dict={"loss/train/total": loss}, timestamp=SimpleNamespace(token=tokens)), None)
@@ -121,6 +138,26 @@ def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
     assert (spike.value.tokens, spike.value.resume_tokens, spike.value.already_skipped) == (1600, 1400, 0)
     with pytest.raises(LossAnomaly, match="loss is nan at 1700 tokens"):
         step(float("nan"), 1700)
+
+
+def test_the_default_loss_guard_stops_a_loss_no_training_state_reaches():
+    """A flipped byte in an optimizer moment once sent the loss from 7.8 to 3e8 and the default guard (NaN/inf
+    only) let every later checkpoint be published from the ruined run."""
+    import math
+    from types import SimpleNamespace
+
+    from trainers.callbacks import LossAnomaly, LossGuard
+    from trainers.config import LossGuardConfig
+
+    guard = LossGuard(LossGuardConfig(), 0, 0, 0, SimpleNamespace(last_saved_tokens=None), vocab_size=50304)
+    state = lambda loss: SimpleNamespace(total_loss_dict={"loss": loss}, timestamp=SimpleNamespace(token=2048))  # noqa: E731
+    guard.batch_end(state(10.9), None)  # a fresh model's loss is about ln(50304) = 10.8: fine
+    guard.batch_end(state(7.8), None)
+    with pytest.raises(LossAnomaly, match=r"loss is 3e\+08 at 2048 tokens, above the ceiling 32\.48"):
+        guard.batch_end(state(3e8), None)
+    assert guard.ceiling == pytest.approx(3 * math.log(50304))
+    off = LossGuard(LossGuardConfig(ceiling=None), 0, 0, 0, SimpleNamespace(last_saved_tokens=None), vocab_size=512)
+    off.batch_end(state(3e8), None)  # turned off: only NaN/inf (and spike_factor, if set) stop it
 
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
@@ -143,6 +180,29 @@ def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
         (2, 2) if sharding == "HYBRID_SHARD" else (-1, None)
     )
     assert all(layer._fsdp_wrap and layer._activation_checkpointing for layer in model.model.layers)
+
+
+def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_path, monkeypatch):
+    """Power loss or a node crash must not leave a manifest naming bytes still in the page cache: the
+    checkpoint and its directory are fsynced before the manifest exists, the manifest folder after."""
+    import os
+
+    from trainers.checkpoints import CheckpointInfo, manifest_path, publish
+
+    synced: list[tuple[str, bool]] = []  # (what was fsynced, did the manifest exist yet)
+    real_fsync = os.fsync
+    target = manifest_path(tmp_path, 1024)
+
+    def recording_fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), target.exists()))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    ckpt = tmp_path / "tiny-s0-tok1024-rank0.pt"
+    ckpt.write_bytes(b"x" * 1000)
+    publish(tmp_path, CheckpointInfo(path=str(ckpt), tokens=1024, batch=1, stage="warm", stage_index=0))
+    assert synced[:2] == [(str(ckpt), False), (str(tmp_path), False)]
+    assert synced[-1] == (str(target.parent), True)
 
 
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
@@ -575,8 +635,8 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
 @pytest.mark.skipif(not _can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk")
 def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path, sources, moto_s3):
     """Rank 1 lives on "node 1", whose disk never sees rank 0's checkpoints. It is SIGKILLed after step 7;
-    the relaunch plans on rank 0, broadcasts the plan, node 1 fetches the checkpoint from s3, and the
-    run finishes with the samples and losses of the one-process reference."""
+    the relaunch plans on rank 0, hands the plan over the launch's store, node 1 fetches the checkpoint from
+    s3 (slower than the process group's timeout), and the run finishes with the samples and losses of the one-process reference."""
     import os
 
     from trainers.remote import RemoteFolder
@@ -590,9 +650,12 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
     codes = _launch_two_nodes(job, job_path, node1_disk, log, {"TESSERA_FAULT": "step:1792", "TESSERA_FAULT_RANK": "1"})
     assert codes[0] == ExitCode.RETRYABLE, (codes, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("node*/*"))])
     assert not list(node1_disk.glob("*.pt"))  # node 1 has never held a checkpoint
-    codes = _launch_two_nodes(job, job_path, node1_disk, log, {})
+    # Node 1's fetch outlasts the process group's timeout (a large checkpoint): setting up waits on the
+    # launch's store, not in a collective, so nobody gives up.
+    slow = {"TESSERA_DIST_TIMEOUT": "20", "TESSERA_FAULT": "stall-node:30", "TESSERA_FAULT_RANK": "1"}
+    codes = _launch_two_nodes(job, job_path, node1_disk, log, slow)
     if codes[0] == ExitCode.RETRYABLE:  # as the flow would: a lost rendezvous race on a busy box is retried
-        codes = _launch_two_nodes(job, job_path, node1_disk, log, {})
+        codes = _launch_two_nodes(job, job_path, node1_disk, log, slow)
     err = "".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("node*/*.err")) + sorted(tmp_path.glob("node*/*.log")))
     assert codes == (0, 0), err
 

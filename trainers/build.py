@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import tempfile
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,10 +26,12 @@ from trainers.config import TrainJob
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
+    cache_dir_for,
     clean_stale_shared_memory,
 )
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.mlflow_model import download_model
+from trainers.remote import fetch_folder
 from trainers.resume import (
     PublishingCheckpointSaver,
     StartPlan,
@@ -59,30 +65,72 @@ def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimize
     )
 
 
-def _rank0_decides(decide: Callable[[], T]) -> T:
-    """`decide()` run on global rank 0, its answer on every rank.
+@contextlib.contextmanager
+def _setup_store():
+    """The launch's rendezvous store, for the waits of setting up a launch.
 
-    With several ranks the answer travels over the process group, so no rank reads another
-    node's disk. A FatalError or RetryableError on rank 0 is raised on every rank instead: none
-    may be left waiting in a collective for a rank that has already given up.
+    Before training, rank 0 may download the checkpoint to resume from (about 80 GB at 7B on a fresh
+    node), and so may the first rank of every other node. None of that may sit inside a collective:
+    a collective gives up after the process group's timeout (TESSERA_DIST_TIMEOUT, 300 s), which is
+    sized to notice a lost peer during training. A wait on the store has its own timeout, long
+    while setting up and restored afterwards.
     """
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    before = store.timeout
+    store.set_timeout(timedelta(seconds=float(os.environ.get("TESSERA_SETUP_TIMEOUT", "21600"))))
+    try:
+        yield store
+    finally:
+        store.set_timeout(before)
+
+
+def _post(store, key: str, answer, error: BaseException | None) -> None:
+    """Post an answer, or a failure every rank re-raises (anything unexpected as retryable)."""
+    failure = None if error is None else (isinstance(error, FatalError), str(error) or type(error).__name__)
+    store.set(key, pickle.dumps((answer, failure)))
+
+
+def _read(store, key: str):
+    """The answer posted under `key`; a FatalError or RetryableError posted there is raised here too, so
+    no rank is left waiting for one that has already given up.
+
+    Every rank says it has read the answer, and a failure is raised only once all have: global rank 0
+    hosts the store, and if it left first the others would find the store gone instead of the reason.
+    """
+    store.wait([key])
+    answer, failure = pickle.loads(store.get(key))
+    store.add(f"{key}/read", 1)
+    if failure is not None:
+        deadline = time.monotonic() + 60
+        while store.add(f"{key}/read", 0) < world()[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fatal, message = failure
+        raise (FatalError if fatal else RetryableError)(message)
+    return answer
+
+
+def _rank0_decides(decide: Callable[[], T]) -> T:
+    """`decide()` run on global rank 0, its answer on every rank, through the launch's store (no rank
+    reads another node's disk, and a slow decision outlasts no collective's timeout)."""
     rank, world_size = world()
     if world_size == 1:
         return decide()
-    from composer.utils import dist
+    with _setup_store() as store:
+        if rank == 0:
+            _run_and_post(store, "tessera/plan", decide)
+        return _read(store, "tessera/plan")
 
-    verdict: list = [None]
-    if rank == 0:
-        try:
-            verdict = [(decide(), None)]
-        except (FatalError, RetryableError) as exc:
-            verdict = [(None, (isinstance(exc, FatalError), str(exc)))]
-    dist.broadcast_object_list(verdict, src=0)
-    answer, error = verdict[0]
-    if error is not None:
-        fatal, message = error
-        raise (FatalError if fatal else RetryableError)(message)
-    return answer
+
+def _run_and_post(store, key: str, work: Callable[[], object]) -> None:
+    try:
+        _post(store, key, work(), None)
+    except (FatalError, RetryableError) as exc:
+        _post(store, key, None, exc)
+    except Exception as exc:
+        _post(store, key, None, exc)
+        raise
 
 
 def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
@@ -99,12 +147,21 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
         return plan, pending_skip(job, stage_index, plan.tokens)
 
     plan, skip = _rank0_decides(decide)
-    if world()[1] > 1:
-        from composer.utils import dist
+    _, world_size = world()
+    if world_size > 1:
+        # No rank loads before every node has its file; each node's first rank says when it has.
+        node, nodes = int(os.environ.get("NODE_RANK", "0")), world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
-        if int(os.environ.get("NODE_RANK", "0")) != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_node(job, stage_index, plan)
-        dist.barrier()  # no rank loads before every node has its file
+        def ready() -> bool:
+            if node != 0:  # rank 0's node has the file: rank 0 planned from it
+                prepare_node(job, stage_index, plan)
+            return True
+
+        with _setup_store() as store:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                _run_and_post(store, f"tessera/node-ready/{node}", ready)
+            for other in range(nodes):
+                _read(store, f"tessera/node-ready/{other}")
     return plan, skip
 
 
@@ -155,13 +212,13 @@ def fsdp_config(job: TrainJob, hf_model, world_size: int) -> dict | None:
     return {"fsdp": fsdp}
 
 
-def _resolve_model_uri(uri: str, job: TrainJob) -> str:
+def _resolve_model_uri(uri: str, job: TrainJob, download_to: str) -> str:
     """A local HF directory for `model.init_from`; MLflow registry URIs are downloaded first."""
     if not uri.startswith("models:/"):
         return uri
     if job.mlflow is None:
         raise FatalError(f"model.init_from: {uri} is a registry URI but the job has no mlflow tracking target")
-    return download_model(uri, job.mlflow.tracking_uri, tempfile.mkdtemp(prefix="tessera-init-"))
+    return download_model(uri, job.mlflow.tracking_uri, download_to)
 
 
 def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
@@ -191,12 +248,16 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
     hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
     if job.model.init_from and plan.kind == "fresh":  # later launches load the run's own checkpoints
-        model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job))
+        with tempfile.TemporaryDirectory(prefix="tessera-init-") as tmp:  # the weights end up in memory
+            model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job, tmp))
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+        local = job.tokenizer_dir
+        if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
+            local = str(fetch_folder(local, cache_dir_for(local)))
+        tokenizer = AutoTokenizer.from_pretrained(local)
     model = _wrap(hf_model, tokenizer)
 
     schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
@@ -211,7 +272,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     callbacks = [
         schedule,
         # Before the saver: a bad step must never be checkpointed.
-        LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver),
+        LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver, job.vocab_size),
         metrics,
         Progress(stage.name, stage_index, start, end),
         Probe(),

@@ -216,8 +216,10 @@ class LossGuard(Callback):
     saved) and how much data the launch already skipped from there, for the rollback record.
     """
 
-    def __init__(self, cfg: LossGuardConfig, stage_index: int, resume_tokens: int, already_skipped: int, saver):
+    def __init__(self, cfg: LossGuardConfig, stage_index: int, resume_tokens: int, already_skipped: int, saver,
+                 vocab_size: int):  # fmt: skip
         self.cfg = cfg
+        self.ceiling = 3 * math.log(vocab_size) if cfg.ceiling == "auto" else cfg.ceiling
         self.stage_index = stage_index
         self.resume_tokens = resume_tokens
         self.already_skipped = already_skipped
@@ -239,6 +241,8 @@ class LossGuard(Callback):
         problem = None
         if not math.isfinite(loss):
             problem = f"loss is {loss} at {tokens} tokens"
+        elif self.ceiling is not None and loss > self.ceiling:
+            problem = f"loss is {loss:.4g} at {tokens} tokens, above the ceiling {self.ceiling:.2f} (train.loss_guard.ceiling)"
         elif self.cfg.spike_factor and self.mean is not None and self.steps >= self.cfg.warmup_steps:
             if loss > self.cfg.spike_factor * self.mean:
                 problem = f"loss spiked to {loss:.4f} (running mean {self.mean:.4f}) at {tokens} tokens"

@@ -32,8 +32,23 @@ def manifest_path(save_folder: str | Path, tokens: int) -> Path:
     return Path(save_folder) / MANIFEST_DIR / f"tok-{tokens:012d}.json"
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(save_folder: str | Path, info: CheckpointInfo) -> Path:
-    """Write the manifest for a checkpoint that is already complete on disk."""
+    """Write the manifest for a checkpoint that is already complete on disk.
+
+    The checkpoint's bytes and its directory entry reach the disk before the manifest names it,
+    and the manifest's rename before this returns: after a power loss or a node crash a manifest
+    never describes a file the page cache had not yet written.
+    """
+    _fsync_path(Path(info.path))
+    _fsync_path(Path(info.path).parent)
     target = manifest_path(save_folder, info.tokens)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
@@ -42,6 +57,7 @@ def publish(save_folder: str | Path, info: CheckpointInfo) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+    _fsync_path(target.parent)
     return target
 
 

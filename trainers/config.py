@@ -20,6 +20,10 @@ from pydantic import (
 )
 
 
+# Where the trainer caches remote (s3://) data; the Kubernetes pod spec points it at the cache volume.
+CACHE_ENV = "TESSERA_CACHE_DIR"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -111,6 +115,12 @@ class LossGuardConfig(_Strict):
     spike_factor: float | None = Field(
         None, gt=1, description="A loss above spike_factor x its running mean counts as a spike; null checks NaN/inf only."
     )
+    ceiling: float | Literal["auto"] | None = Field(
+        "auto",
+        description="A loss above this counts as a spike from the first step. 'auto': 3 x ln(vocab size), three "
+        "times the loss of guessing uniformly, which no sane training state reaches (a flipped byte in an "
+        "optimizer moment sends it to 1e8); null: no ceiling.",
+    )
     warmup_steps: PositiveInt = Field(20, description="Steps before spike detection starts (the running mean settles).")
     max_rollbacks: int = Field(
         2, ge=0, description="Rollbacks allowed per run; one more bad loss exits with the fatal code. 0 fails at once."
@@ -156,6 +166,15 @@ class TrainConfig(_Strict):
         "at every checkpoint and logged as val/<source>/loss; 0 disables.",
     )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    stream_cache_limit: str | None = Field(
+        None,
+        pattern=r"^[0-9]+(kb|mb|gb|tb)?$",
+        description="Bound on Streaming's local cache of remote (s3://) data, e.g. '200gb': shards read "
+        "longest ago are evicted past it. The cache lives under $TESSERA_CACHE_DIR (the pod's cache volume "
+        "on Kubernetes), else the temp dir. Null: unbounded. Never applied to local data, which is read in place. "
+        "Streaming needs at least 4x the largest shard, and a shuffled stage needs the shards its shuffle block "
+        "spans (about 4M samples per canonical node): below that it stalls waiting for space.",
+    )
     data_canonical_nodes: PositiveInt = Field(
         1,
         description="Streaming num_canonical_nodes: fixes the global sample order independently of the "

@@ -20,7 +20,7 @@ from composer.core import DataSpec, Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from trainers.config import TrainJob
+from trainers.config import CACHE_ENV, TrainJob
 
 __all__ = ["build_stage_data", "build_val_evaluators", "clean_stale_shared_memory"]
 
@@ -56,11 +56,23 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _stream(path: str, proportion: float | None = None) -> Stream:
-    """A local MDS directory is read in place; a remote one (s3://...) is cached under TESSERA_STREAM_CACHE."""
+    """A local MDS directory is read in place; a remote one (s3://...) is cached under $TESSERA_CACHE_DIR."""
     if "://" not in path:
         return Stream(local=path, proportion=proportion)
-    cache = Path(os.environ.get("TESSERA_STREAM_CACHE", Path(tempfile.gettempdir()) / "tessera-streams"))
-    return Stream(remote=path, local=str(cache / hashlib.sha1(path.encode()).hexdigest()[:16]), proportion=proportion)
+    return Stream(remote=path, local=str(cache_dir_for(path)), proportion=proportion)
+
+
+def cache_dir_for(uri: str) -> Path:
+    """This node's local copy of a remote folder: under $TESSERA_CACHE_DIR (on Kubernetes, the cache
+    volume), else the temp dir."""
+    root = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "tessera-streams")
+    return root / hashlib.sha1(uri.encode()).hexdigest()[:16]
+
+
+def _cache_limit(job: TrainJob, paths: list[str]) -> str | None:
+    """The recipe's bound on the local cache, only where something is remote: with a limit Streaming
+    evicts shards from `local`, and for local data `local` is the prepared data itself."""
+    return job.train.stream_cache_limit if any("://" in p for p in paths) else None
 
 
 def stage_samples(job: TrainJob, stage_index: int) -> int:
@@ -80,6 +92,7 @@ def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSp
     dataset = TokenSamples(
         seq_len=job.stage_seq_len(stage_index),
         streams=streams,
+        cache_limit=_cache_limit(job, [paths[name] for name in stage.mixture]),
         epoch_size=stage_samples(job, stage_index),
         batch_size=device_batch,
         shuffle=True,
@@ -115,7 +128,8 @@ def build_val_evaluators(job: TrainJob, world_size: int, due) -> list[Evaluator]
     device_batch = max(1, job.train.global_batch_size // world_size)
     evaluators = []
     for name, path in sorted(job.val_streams.items()):
-        dataset = TokenSamples(seq_len=job.seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False)
+        dataset = TokenSamples(seq_len=job.seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False,
+                               cache_limit=_cache_limit(job, [path]))
         loader = StreamingDataLoader(dataset, batch_size=device_batch, collate_fn=collate, num_workers=0)
         evaluators.append(
             Evaluator(

@@ -2,14 +2,15 @@
 
 RETRYABLE (75): the trainer failed, and relaunching the same command can succeed because it
 resumes from its last complete checkpoint (a peer died under a collective, a collective timed
-out, the node ran out of memory, a loss anomaly scheduled a rollback).
+out, a loss anomaly scheduled a rollback).
 INTERRUPTED (76): the trainer did not fail, it was stopped from outside: SIGTERM or SIGINT (a
 preemption, Composer's launcher stopping the survivors after a peer died, a cancel), or the
 process that launched it is gone (trainers/supervisor.py). A relaunch resumes as well; a
 supervisor counts these against a separate, larger budget, since a spot node preempted many
 times says nothing about the job itself.
 FATAL (78): the failure reproduces on relaunch (bad job file, NaN loss that rollback could not
-cure, an edited curriculum, another trainer already owns the run), so retrying only burns compute.
+cure, an edited curriculum, another trainer already owns the run, out of memory, a full disk), so
+retrying only burns compute.
 
 The values avoid 1 (any uncaught Python exception), 2 (argparse usage errors) and 128+N
 (killed by signal N), so a supervisor never confuses them.
@@ -64,21 +65,51 @@ _RETRYABLE_MARKERS = (
 )
 
 
+def _distributed_error_types() -> tuple[type[BaseException], ...]:
+    """torch.distributed's own error types (a lost peer, a dead store, a backend failure), if torch is here."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return ()
+    return tuple(t for t in (getattr(dist, n, None) for n in ("DistError", "DistBackendError", "DistNetworkError",
+                                                              "DistStoreError")) if isinstance(t, type))  # fmt: skip
+
+
+def _out_of_memory_types() -> tuple[type[BaseException], ...]:
+    try:
+        import torch
+    except ImportError:
+        return (MemoryError,)
+    return (MemoryError, torch.OutOfMemoryError)
+
+
 def classify(exc: BaseException) -> ExitCode:
-    """Map an exception that escaped training to the exit code a supervisor should see."""
+    """Map an exception that escaped training to the exit code a supervisor should see.
+
+    Types first, messages last: a message match alone would retry `FileNotFoundError:
+    /mnt/datastore/...` forever because its path says "store". Out of memory and a full disk
+    reproduce on relaunch with the same job, so they are fatal.
+    """
     if isinstance(exc, FatalError):
         return ExitCode.FATAL
     if isinstance(exc, RetryableError):
         return ExitCode.RETRYABLE
+    if isinstance(exc, _distributed_error_types()):
+        return ExitCode.RETRYABLE
+    if isinstance(exc, _out_of_memory_types()):
+        return ExitCode.FATAL
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ExitCode.FATAL
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return ExitCode.RETRYABLE
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ENOSPC):
-        return ExitCode.RETRYABLE
-    text = f"{type(exc).__name__}: {exc}".lower()
-    if any(marker in text for marker in _RETRYABLE_MARKERS):
+    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT):
         return ExitCode.RETRYABLE
     if isinstance(exc, (ValueError, TypeError, KeyError, FileNotFoundError)):
         return ExitCode.FATAL
+    # Untyped RuntimeErrors from gloo and NCCL (a lost peer, a collective that timed out).
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if any(marker in text for marker in _RETRYABLE_MARKERS):
+        return ExitCode.RETRYABLE
     # Unknown errors are retried: the supervisor's retry budget bounds the cost, while a
     # wrongly fatal code would stop a long run for a transient fault.
     return ExitCode.RETRYABLE

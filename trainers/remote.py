@@ -32,6 +32,7 @@ from trainers.exit_codes import FatalError, RetryableError
 
 log = logging.getLogger("tessera.remote")
 
+DONE = "_DONE"  # the data root's done-marker (tasks/data/outputs.py)
 STAGING_DIR = ".uploading"  # hard links of checkpoints being uploaded; what a kill leaves there is dropped
 
 
@@ -218,3 +219,42 @@ def reconcile(remote: RemoteFolder, job: TrainJob, stage_index: int, local: list
     if wanted is not None and wanted.tokens not in have:
         local = sorted([*local, remote.download(wanted, Path(job.save_folder))], key=lambda c: c.tokens)
     return local
+
+
+def fetch_folder(uri: str, dest: Path) -> Path:
+    """A folder published under an s3:// data root (its done-marker uploaded last), copied to `dest` once.
+
+    Every rank of a node may call this at once: each downloads into its own staging folder and the
+    first rename wins, so `dest` is only ever a complete copy.
+    """
+    from composer.utils import parse_uri
+    from composer.utils.object_store import S3ObjectStore
+
+    if (dest / DONE).is_file():
+        return dest
+    _, bucket, path = parse_uri(uri)
+    store = S3ObjectStore(bucket=bucket, prefix=path)  # keys are relative to `path/` from here on
+    try:
+        names = sorted(k[len(store.prefix) :] for k in store.list_objects(""))
+    except Exception as exc:
+        raise RetryableError(f"{uri}: cannot list objects: {exc}") from exc
+    if DONE not in names:
+        raise FatalError(f"{uri}: not a published folder (no {DONE}); prepare the data again")
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent if dest.parent.is_dir() else None))
+    try:
+        for name in names:
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            store.download_object(name, str(staging / name))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(staging, dest)
+        except OSError:
+            if not (dest / DONE).is_file():
+                raise
+    except FatalError:
+        raise
+    except Exception as exc:
+        raise RetryableError(f"{uri}: cannot download: {exc}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import signal
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +203,7 @@ def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
     is set to the plan's own choice either way, so a stale one left on this disk by an earlier
     launch is never followed.
     """
+    _maybe_stall("node")
     folder = Path(job.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     link = folder / latest_name(job, stage_index).format(rank=0)
@@ -325,6 +327,13 @@ class PublishingCheckpointSaver(CheckpointSaver):
 
 
 FAULT_ENV = "TESSERA_FAULT"
+
+
+def _maybe_stall(point: str) -> None:
+    """`TESSERA_FAULT=stall-<point>:<seconds>`: this rank is slow there (a large download, say)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith(f"stall-{point}:"):
+        time.sleep(float(spec.split(":", 1)[1]))
 
 
 def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:

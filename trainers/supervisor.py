@@ -56,6 +56,15 @@ def _alive(pid: int, started: str | None) -> bool:
     return state not in ("Z", "X") and (started is None or start == started)
 
 
+_WATCHED: list[tuple[int, str | None]] = []  # (pid, start time) of the supervisor being watched
+
+
+def supervisor_gone() -> bool:
+    """The watched supervisor has died. A rank whose peer left for that reason fails in a collective
+    ("connection reset by peer") before its own watchdog fires: that is the job being stopped, not a fault."""
+    return bool(_WATCHED) and not _alive(*_WATCHED[0])
+
+
 def watch_supervisor(every_s: float = CHECK_EVERY_S) -> threading.Thread | None:
     """Start the watchdog if TESSERA_SUPERVISOR_PID is set; returns its thread (None without one)."""
     value = os.environ.get(SUPERVISOR_ENV, "").strip()
@@ -64,6 +73,7 @@ def watch_supervisor(every_s: float = CHECK_EVERY_S) -> threading.Thread | None:
     pid = int(value)
     identity = _identity(pid)
     started = identity[1] if identity else None
+    _WATCHED[:] = [(pid, started)]
 
     def watch() -> None:
         while _alive(pid, started):

@@ -15,7 +15,7 @@ import sys
 
 from trainers.exit_codes import ExitCode, FatalError, classify
 from trainers.jobfile import load_job
-from trainers.supervisor import watch_supervisor
+from trainers.supervisor import supervisor_gone, watch_supervisor
 
 # What SIGTERM/SIGINT exit with: INTERRUPTED, unless the trainer already decided its own code and
 # is cleaning up (a lost peer's collective failed, then the launcher's SIGTERM arrives).
@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tessera.train: fatal: {exc}", file=sys.stderr)
         return ExitCode.FATAL
     except Exception as exc:  # noqa: BLE001
-        code = _on_signal[0] = classify(exc)
-        logging.getLogger("tessera.train").exception("training failed (%s)", code.name.lower())
+        code = classify(exc)
+        if code == ExitCode.RETRYABLE and supervisor_gone():
+            code = ExitCode.INTERRUPTED
+            print(f"tessera.train: stopping: the supervisor is gone ({type(exc).__name__}: {exc})", file=sys.stderr)
+        else:
+            logging.getLogger("tessera.train").exception("training failed (%s)", code.name.lower())
+        _on_signal[0] = code
         return code
     finally:
         if trainer is not None:

@@ -27,6 +27,7 @@ class TokenizerInfo(BaseModel):
     dtype: str = Field(..., description="Token dtype in MDS: uint16 when the vocabulary fits, else uint32.")
     fingerprint: str = Field(..., description="Hash of the tokenizer and the EOS/BOS policy; part of every data hash.")
     trained: bool = Field(False, description="Trained on the sources by this stage.")
+    uri: str | None = Field(None, description="The copy published under an s3:// data root, which training pods load.")
 
     @property
     def tokenizer_json(self) -> str:

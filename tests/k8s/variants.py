@@ -52,4 +52,4 @@ def compute(raw: dict) -> ComputeConfig:
 def job_json(run: str = "tiny", save_folder: str = "/flow/.tessera/runs/tiny/checkpoints") -> str:
     """A job file as the flow writes it (only the fields the launcher reads matter here)."""
     return json.dumps({"run_name": run, "save_folder": save_folder, "seq_len": 128,
-                       "streams": {"literary": "s3://data/literary-abc/train"}})
+                       "streams": {"literary": "s3://data/literary-abc/train"}, "train": {"stream_cache_limit": None}})
