@@ -37,6 +37,13 @@ def _work_prefect_home(work_dir: str) -> None:
             os.environ.setdefault("PREFECT_PROFILES_PATH", str(profiles))
 
 
+def _usable_data_root(recipe) -> None:
+    """A data root that is a file or read-only fails here in one line, not after Prefect has started."""
+    from tasks.data.outputs import ensure_root
+
+    ensure_root(recipe.data.local_root)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.recipe import NAME_PATTERN, RecipeError, load_recipe
 
@@ -44,6 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.run_name is not None and not re.fullmatch(NAME_PATTERN, args.run_name):
         raise RecipeError(f"--run-name: {args.run_name!r} must match {NAME_PATTERN}")
     _work_prefect_home(recipe.work_dir)
+    _usable_data_root(recipe)
     from flows.pipeline import PipelineParams, pretrain_pipeline
 
     install_log_filter()
@@ -63,6 +71,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     _work_prefect_home(recipe.work_dir)
+    _usable_data_root(recipe)
     from flows.prepare import PrepareParams, prepare_data, warm_up
     from tasks.data import interrupt
 
