@@ -23,7 +23,7 @@ demo: install
 	@echo "  Prefect: PREFECT_HOME=.tessera/prefect $(BIN)/prefect server start           (http://127.0.0.1:4200)"
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
