@@ -27,11 +27,11 @@ from trainers.data import (
     build_stage_data,
     build_val_evaluators,
     cache_dir_for,
-    clean_stale_shared_memory,
 )
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.mlflow_model import download_model
 from trainers.remote import fetch_folder
+from trainers.shm import clean_stale_streaming_shm
 from trainers.resume import (
     PublishingCheckpointSaver,
     StartPlan,
@@ -236,10 +236,14 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
         dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
     plan, skip = _plan(job, stage_index)
-    # A kill -9 leaves Streaming's shared memory behind; the next dataset would collide with it. A
-    # collective: local rank 0 cleans while the node's other ranks wait. After the lease: the
-    # cleanup unlinks every Streaming segment on the host, a live trainer's of this run included.
-    clean_stale_shared_memory()
+    # A kill -9 leaves Streaming's shared memory behind (trainers/shm.py): local rank 0 removes the
+    # segments no live process maps, while the node's other ranks wait; a live job's stay.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        clean_stale_streaming_shm()
+    if world_size > 1:
+        from composer.utils import dist
+
+        dist.barrier()
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
     start, end = stage_bounds(job.train)[stage_index]
     if plan.tokens >= end:

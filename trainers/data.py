@@ -18,11 +18,10 @@ import numpy as np
 import torch
 from composer.core import DataSpec, Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from trainers.config import CACHE_ENV, TrainJob
 
-__all__ = ["build_stage_data", "build_val_evaluators", "clean_stale_shared_memory"]
+__all__ = ["build_stage_data", "build_val_evaluators", "cache_dir_for"]
 
 
 class TokenSamples(StreamingDataset):

@@ -1,0 +1,63 @@
+"""Streaming's shared memory left by killed launches, cleaned without touching anyone else's.
+
+A StreamingDataset keeps its state in POSIX shared memory named `<prefix:06>_<what>` under
+/dev/shm, where the prefix is the first number no live dataset on the host uses. A kill -9 leaves
+those segments behind: they hold memory until reboot, and a leftover registration of a remote
+stream's cache folder makes the next dataset on that folder fail ("Reused local directory").
+Streaming's own `clean_stale_shared_memory()` unlinks every prefix on the host, a live trainer's of
+another run included, whose next step then fails. Here a prefix is stale only if no live process
+maps any of its segments (read from /proc/<pid>/maps): a live dataset keeps them mapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("tessera.shm")
+
+SHM_DIR = Path("/dev/shm")
+_STREAMING_NAME = re.compile(r"(\d{6})_\w+")
+
+
+def _mapped_prefixes() -> set[str]:
+    """Prefixes of the Streaming segments that some live process has mapped."""
+    live = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+        for line in text.splitlines():
+            _, sep, name = line.partition(str(SHM_DIR) + "/")
+            match = _STREAMING_NAME.match(name) if sep else None
+            if match:
+                live.add(match.group(1))
+    return live
+
+
+def clean_stale_streaming_shm() -> list[str]:
+    """Unlink the Streaming segments (and their file locks) of prefixes no live process maps; their names."""
+    if not SHM_DIR.is_dir():
+        return []
+    live = _mapped_prefixes()
+    stale = sorted(p.name for p in SHM_DIR.iterdir()
+                   if (m := _STREAMING_NAME.fullmatch(p.name)) and m.group(1) not in live)  # fmt: skip
+    for name in stale:
+        try:
+            (SHM_DIR / name).unlink()
+        except OSError:
+            continue
+    prefixes = {name[:6] for name in stale}
+    for lock in Path(tempfile.gettempdir()).glob("[0-9][0-9][0-9][0-9][0-9][0-9]_*filelock*"):
+        if lock.name[:6] in prefixes and lock.name[:6] not in live:
+            try:
+                lock.unlink()
+            except OSError:
+                continue
+    if stale:
+        log.info("removed %d shared-memory segment(s) a killed launch left: %s", len(stale), ", ".join(stale))
+    return stale
+
