@@ -45,24 +45,15 @@ def _from_hf_dir(path: Path, source: str) -> LoadedModel:
 
 
 def _from_composer(path: str) -> LoadedModel:
-    import torch
-    from composer.models import HuggingFaceModel
+    from trainers.export import load_hf
 
-    # hf_from_composer_checkpoint builds the model without its weights and unpacks the tokenizer
-    # into the cwd; reading the file once and calling its two helpers avoids both.
-    state = torch.load(path, map_location="cpu", weights_only=False)
     try:
-        hf_state = state["state"]["integrations"]["huggingface"]
+        model, tokenizer = load_hf(path)
     except (KeyError, TypeError) as exc:
         raise GauntletError(f"{path}: not a Composer HuggingFaceModel checkpoint (no HF config inside)") from exc
-    with tempfile.TemporaryDirectory(prefix="tessera-eval-tok-") as tmp:
-        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
     if tokenizer is None:
         raise GauntletError(f"{path}: checkpoint holds no tokenizer")
-    model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, state, None, {})
-    # Composer keys the wrapped module as `model.<hf key>`.
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state["state"]["model"].items()}, strict=True)
-    return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), path)
+    return LoadedModel(model, tokenizer, model_max_seq_len(model), path)
 
 
 def _hf_dir_under(root: Path) -> Path | None:

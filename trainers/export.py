@@ -13,10 +13,12 @@ def load_hf(ckpt_path: str | Path):
 
     Reads the file once. (HuggingFaceModel.hf_from_composer_checkpoint copies the file first and
     unpacks the tokenizer into the current directory, so its two helpers are called directly.)
+    The file is memory-mapped: only the model's tensors are read, never the optimizer's moments,
+    which are twice the model again (bench/eval_memory.py measures it).
     """
     from composer.models import HuggingFaceModel
 
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     hf_state = checkpoint["state"]["integrations"]["huggingface"]
     with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
         tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)

@@ -1,0 +1,55 @@
+"""Evaluation and export read a checkpoint's model, never its optimizer state (memory at model scale)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tests.conftest import ROOT
+
+# Peak RSS of the load alone: imports first, then the kernel's high-water mark is reset (clear_refs 5).
+PEAK = """
+import re, sys
+from trainers.export import load_hf
+from pathlib import Path
+Path("/proc/self/clear_refs").write_text("5")
+model, tok = load_hf(sys.argv[1])
+hwm = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+print(sum(p.numel() for p in model.parameters()), hwm)
+"""
+
+
+def _load_in_a_fresh_process(path) -> tuple[int, float]:
+    out = subprocess.run([sys.executable, "-c", PEAK, str(path)], cwd=ROOT, capture_output=True, text=True, check=True)
+    params, peak_kib = out.stdout.split()[-2:]
+    return int(params), int(peak_kib) / 1024
+
+
+def test_loading_for_evaluation_skips_the_optimizer_state(tmp_path):
+    from composer import Trainer
+
+    from trainers.build import _wrap
+    from trainers.config import ModelConfig
+    from trainers.model import build_model
+    from trainers.testing import write_hf_tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(write_hf_tokenizer(tmp_path / "tok", vocab_size=512))
+    model = _wrap(build_model(ModelConfig(), len(tok), 32, 0, seed=1), tok)
+    rows = torch.randint(0, len(tok), (2, 16))
+    Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters()), device="cpu", progress_bar=False,
+            train_dataloader=torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=2),
+            max_duration="1ba", save_folder=str(tmp_path), save_filename="small.pt", save_interval="1ba",
+            loggers=[]).fit()  # fmt: skip
+    # The same checkpoint with 512 MiB more optimizer state, as a large model's moments would be.
+    state = torch.load(tmp_path / "small.pt", map_location="cpu", weights_only=False)
+    state["state"]["optimizers"]["AdamW"]["state"]["padding"] = {"exp_avg": torch.ones(128 * 2**20)}
+    torch.save(state, tmp_path / "large.pt")
+    del state
+
+    params, small = _load_in_a_fresh_process(tmp_path / "small.pt")
+    same, large = _load_in_a_fresh_process(tmp_path / "large.pt")
+    assert params == same
+    assert large - small < 128, f"peak RSS {small:.0f} MB -> {large:.0f} MB: the optimizer state was read"
