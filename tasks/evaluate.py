@@ -21,7 +21,7 @@ from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless
 from tasks.tracking import resolved_uri, retrying
 from tasks.tracking_config import TrackingConfig
-from trainers.checkpoints import CheckpointInfo
+from trainers.checkpoints import CheckpointInfo, damage
 from trainers.mlflow_model import model_uri_for
 
 
@@ -69,6 +69,9 @@ def evaluate_checkpoint(
     from evaluation.identity import gauntlet_hash
 
     logger = get_run_logger()
+    why = damage(checkpoint.path)
+    if why is not None:  # a bad byte would score (and then register) a model that was never trained
+        raise GauntletError(f"{checkpoint.path}: damaged checkpoint, not evaluated: {why}")
     loaded = load_model(checkpoint.path)
     report = run_gauntlet(loaded.model, loaded.tokenizer, cfg, max_seq_len)
     title = f"Gauntlet at {checkpoint.tokens:,} tokens (stage {checkpoint.stage})"

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from evaluation.config import EvalConfig
+from evaluation.errors import GauntletError
 from evaluation.runner import run_gauntlet
 from tasks.tracking_config import TrackingConfig
 from trainers.checkpoints import CheckpointInfo
@@ -104,6 +105,32 @@ def mlflow_run(mlflow_uri, tmp_path):
     client = MlflowClient(mlflow_uri)
     exp = client.create_experiment("eval-test", artifact_location=str(tmp_path / "artifacts"))
     return client, client.create_run(exp).info.run_id
+
+
+def test_a_damaged_checkpoint_is_not_scored(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint, small_gauntlet,
+                                            tmp_path):  # fmt: skip
+    """Bytes flipped in a tensor load silently with torch.load; the evaluation refuses them in one line."""
+    from prefect import flow
+
+    from tasks.evaluate import evaluate_checkpoint
+
+    path, _, _ = composer_checkpoint
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(data))
+    torch.load(damaged, map_location="cpu", weights_only=False)  # what used to happen: no complaint
+    _, run_id = mlflow_run
+    info = CheckpointInfo(path=str(damaged), tokens=4096, batch=1, stage="s0", stage_index=0)
+
+    @flow(name="eval-damaged")
+    def one():
+        tracking = TrackingConfig(tracking_uri=mlflow_uri, registered_model="m")
+        return evaluate_checkpoint(info, small_gauntlet, tracking, run_id, 128, "tiny")
+
+    with pytest.raises(GauntletError, match=rf"^{damaged}: damaged checkpoint, not evaluated: CRC-32 mismatch in "):
+        one()
 
 
 def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint,

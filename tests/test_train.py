@@ -445,6 +445,47 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
 
 
 @pytest.mark.slow
+def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(reference, tmp_path, sources):
+    """64 bytes flipped mid-file (a tensor, which torch.load would load silently), then bytes flipped in the
+    pickle (which failed every relaunch): each relaunch withdraws the damaged newest checkpoint, starts
+    from the one before, and the run ends with the reference's weights and samples."""
+    import zipfile
+
+    import torch
+
+    from trainers.checkpoints import list_complete
+
+    def flip(path: Path, offset: int) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset : offset + 64] = bytes(b ^ 0xFF for b in data[offset : offset + 64])
+        path.write_bytes(bytes(data))
+
+    job, job_path = _job(tmp_path, sources)
+    log = tmp_path / "samples.jsonl"
+    assert _launch(job_path, 0, log, fault="step:2304").returncode == -9  # after the 2048 checkpoint
+    newest = Path(list_complete(job.save_folder)[-1].path)
+    assert newest.name == "tiny-s0-tok2048-rank0.pt"
+    flip(newest, newest.stat().st_size // 2)
+    _ok(_launch(job_path, 0, log))  # resumed from 1024, retrained 2048
+    assert (newest.parent / (newest.name + ".corrupt")).is_file()
+
+    assert _launch(job_path, 1, log, fault="step:3584").returncode == -9  # after the 3072 checkpoint
+    newest = Path(list_complete(job.save_folder)[-1].path)
+    with zipfile.ZipFile(newest) as zf:
+        pickle = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
+    flip(newest, pickle.header_offset + 30 + len(pickle.filename) + pickle.compress_size // 2)
+    _ok(_launch(job_path, 1, log))  # re-entered stage 1 from stage 0's end
+    assert [p.name for p in Path(job.save_folder).glob("*.corrupt")] == [newest.name + ".corrupt"]  # one kept
+    assert [c.tokens for c in list_complete(job.save_folder)] == CKPT_TOKENS
+
+    ref_job, _ = reference
+    _same_samples_once_each(reference, log)
+    mine = _model_state(list_complete(job.save_folder)[-1].path)
+    ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
+    assert all(torch.equal(mine["model"][k], v) for k, v in ref["model"].items())
+
+
+@pytest.mark.slow
 def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
     """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
     exits with a relaunchable code; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""

@@ -23,6 +23,7 @@ A launch of stage K is one of:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -44,6 +45,8 @@ from trainers.exit_codes import FatalError
 from trainers.remote import RemoteFolder, reconcile
 from trainers.rollback import rollbacks_path
 from trainers.schedule import stage_bounds
+
+log = logging.getLogger("tessera.resume")
 
 
 def checkpoint_name(job: TrainJob, stage_index: int) -> str:
@@ -166,13 +169,13 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     for info in complete:
         if is_intact(info.path):
             good.append(info)
-        else:  # withdraw it so neither autoresume nor an evaluator picks it up
-            checkpoints.manifest_path(folder, info.tokens).unlink(missing_ok=True)
-            os.replace(info.path, f"{info.path}.corrupt")
+        else:
+            _withdraw(job, info, "cut short: no zip directory")
     if remote is not None:
         good = reconcile(remote, job, stage_index, good)
 
     link = folder / latest_name(job, stage_index).format(rank=0)
+    good = _verified_newest(job, stage_index, good)
     own = [c for c in good if c.stage_index == stage_index]
     if own:
         newest = max(own, key=lambda c: c.tokens)
@@ -193,6 +196,35 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         )
     _record_ledger(job, stage_index, remote)
     return StartPlan("enter", ends[-1].path, prev_end, ends[-1].model_dump())
+
+
+def _withdraw(job: TrainJob, info: CheckpointInfo, why: str) -> None:
+    """Neither autoresume nor an evaluator may pick it up again. The newest damaged file is kept beside
+    the others as `<name>.corrupt` for a look; older ones go, so they cannot pile up."""
+    log.warning("checkpoint %s is damaged (%s): withdrawn, the previous one is used", info.path, why)
+    checkpoints.manifest_path(job.save_folder, info.tokens).unlink(missing_ok=True)
+    kept = Path(f"{info.path}.corrupt")
+    for old in Path(job.save_folder).glob("*.corrupt"):
+        if old != kept:
+            old.unlink(missing_ok=True)
+    os.replace(info.path, kept)
+
+
+def _verified_newest(job: TrainJob, stage_index: int, good: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """`good` without the damaged checkpoints among those this launch would start from: the newest of
+    this stage, or the previous stage's end when entering. Older ones are checked only if needed."""
+    good = list(good)
+    while True:
+        own = [c for c in good if c.stage_index == stage_index]
+        candidates = own or [c for c in good if c.stage_index == stage_index - 1]
+        if not candidates:
+            return good
+        newest = max(candidates, key=lambda c: c.tokens)
+        why = checkpoints.damage(newest.path)
+        if why is None:
+            return good
+        _withdraw(job, newest, why)
+        good.remove(newest)
 
 
 def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
