@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -481,6 +482,36 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
     ref_job, _ = reference
     _same_samples_once_each(reference, log)
     mine = _model_state(list_complete(job.save_folder)[-1].path)
+    ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
+    assert all(torch.equal(mine["model"][k], v) for k, v in ref["model"].items())
+
+
+@pytest.mark.slow
+def test_lost_manifests_are_rederived_and_no_good_checkpoint_is_deleted(reference, tmp_path, sources):
+    """The manifests/ folder is lost during the second stage: the relaunch used to delete every checkpoint
+    (then fail "train stage 0 first"). Now each one that verifies gets its manifest back and the run goes on."""
+    import shutil
+
+    import torch
+
+    from trainers.checkpoints import MANIFEST_DIR, list_complete
+
+    job, job_path = _job(tmp_path, sources)
+    log = tmp_path / "samples.jsonl"
+    _ok(_launch(job_path, 0, log))
+    assert _launch(job_path, 1, log, fault="step:3584").returncode == -9  # after the 3072 checkpoint
+    before = {c.tokens: (c.batch, os.stat(c.path).st_ino) for c in list_complete(job.save_folder)}
+    assert list(before) == [1024, 2048, 2560, 3072]
+    shutil.rmtree(Path(job.save_folder) / MANIFEST_DIR)
+
+    _ok(_launch(job_path, 1, log))
+    after = {c.tokens: c for c in list_complete(job.save_folder)}
+    assert list(after) == CKPT_TOKENS
+    # the same files, with the step counts they were saved at
+    assert all((after[t].batch, os.stat(after[t].path).st_ino) == before[t] for t in before)
+    ref_job, _ = reference
+    _same_samples_once_each(reference, log)
+    mine = _model_state(after[CKPT_TOKENS[-1]].path)
     ref = _model_state(list_complete(ref_job.save_folder)[-1].path)
     assert all(torch.equal(mine["model"][k], v) for k, v in ref["model"].items())
 

@@ -133,6 +133,20 @@ def _run_checkpoints(job: TrainJob) -> list[tuple[int, int, Path]]:
     return found
 
 
+def _rederived(job: TrainJob, stage_index: int, tokens: int, path: Path) -> CheckpointInfo | None:
+    """The manifest a complete checkpoint named `<run>-s<K>-tok<T>` had: its step count follows from the
+    curriculum's batch sizes. None if no step of stage K ends at T tokens."""
+    bounds = stage_bounds(job.train)
+    if not 0 <= stage_index < len(bounds) or not bounds[stage_index][0] < tokens <= bounds[stage_index][1]:
+        return None
+    batch = sum(job.train.stages[k].tokens // job.stage_tokens_per_batch(k) for k in range(stage_index))
+    into, per_batch = tokens - bounds[stage_index][0], job.stage_tokens_per_batch(stage_index)
+    if into % per_batch:
+        return None
+    return CheckpointInfo(path=str(path.resolve()), tokens=tokens, batch=batch + into // per_batch,
+                          stage=job.train.stages[stage_index].name, stage_index=stage_index)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StartPlan:
     kind: Literal["fresh", "resume", "enter"]
@@ -159,11 +173,25 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
 
     complete = [c for c in checkpoints.list_complete(folder) if _own_file(job, Path(c.path).name)]
     published = {Path(c.path).resolve() for c in complete}
-    # A .pt without a manifest was cut short (or finished but not yet published) by a kill: drop it,
-    # the relaunch re-trains and re-saves those steps deterministically.
-    for _, _, path in _run_checkpoints(job):
-        if path.resolve() not in published:
+    # A .pt without a manifest was cut short by a kill (drop it: the relaunch re-trains and re-saves
+    # those steps deterministically), or finished before its manifest was written or after the
+    # manifest was lost: a file that verifies gets its manifest back, and is never deleted.
+    for stage, tokens, path in sorted(_run_checkpoints(job)):
+        if path.resolve() in published:
+            continue
+        if not is_intact(path) or checkpoints.damage(path) is not None:
             path.unlink(missing_ok=True)
+            continue
+        info = _rederived(job, stage, tokens, path)
+        if info is None:  # not a step of this curriculum: kept out of the way, not deleted
+            os.replace(path, path.with_name(path.name + ".unpublished"))
+            log.warning("checkpoint %s matches no step of this job's curriculum: set aside as %s.unpublished",
+                        path, path.name)  # fmt: skip
+            continue
+        checkpoints.publish(folder, info)
+        complete.append(info)
+        log.warning("checkpoint %s had no manifest but verifies: manifest re-derived", path)
+    complete.sort(key=lambda c: c.tokens)
 
     good: list[CheckpointInfo] = []
     for info in complete:
