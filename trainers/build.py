@@ -96,15 +96,16 @@ def _read(store, key: str):
     """The answer posted under `key`; a FatalError or RetryableError posted there is raised here too, so
     no rank is left waiting for one that has already given up.
 
-    Every rank says it has read the answer, and a failure is raised only once all have: global rank 0
-    hosts the store, and if it left first the others would find the store gone instead of the reason.
+    Every rank says it has read the answer; global rank 0 hosts the store, so on a failure it leaves
+    only once all have, or the others would find the store gone instead of the reason.
     """
     store.wait([key])
     answer, failure = pickle.loads(store.get(key))
     store.add(f"{key}/read", 1)
     if failure is not None:
+        rank, world_size = world()
         deadline = time.monotonic() + 60
-        while store.add(f"{key}/read", 0) < world()[1] and time.monotonic() < deadline:
+        while rank == 0 and store.add(f"{key}/read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
         fatal, message = failure
         raise (FatalError if fatal else RetryableError)(message)
