@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The suite waits on servers and subprocesses much of the time: two workers use the two CI cores.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast bench clean
 
@@ -23,7 +25,7 @@ demo: install
 	@echo "  Prefect: PREFECT_HOME=.tessera/prefect $(BIN)/prefect server start           (http://127.0.0.1:4200)"
 
 test: install
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
