@@ -18,7 +18,7 @@ from infra.config import Backend, ComputeConfig
 from tasks.data.config import DataConfig
 from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
-from trainers.config import ModelConfig, TrainConfig
+from trainers.config import ModelConfig, TrainConfig, batch_alignment_errors
 
 
 class RecipeError(ValueError):
@@ -95,18 +95,8 @@ class Recipe(BaseModel):
                 raise _CrossCheckError(
                     ("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}"
                 )
-        per_batch = self.train.global_batch_size * self.data.seq_len
-        if self.eval.every % per_batch:
-            raise _CrossCheckError(
-                ("eval", "every"), f"{self.eval.every} is not a multiple of global_batch_size*seq_len ({per_batch})"
-            )
-        for i, stage in enumerate(self.train.stages):
-            per_step = (stage.global_batch_size or self.train.global_batch_size) * (stage.seq_len or self.data.seq_len)
-            if stage.tokens % per_step:
-                raise _CrossCheckError(
-                    ("train", "stages", i, "tokens"),
-                    f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})",
-                )
+        for loc, message in batch_alignment_errors(self.train, self.data.seq_len, self.eval.every)[:1]:
+            raise _CrossCheckError(loc, message)
         if self.compute.backend == "kubernetes":
             # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
             for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):

@@ -47,6 +47,15 @@ def test_bad_job_is_one_line_fatal(tmp_path):
     assert "train.stages" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_job_file_is_held_to_the_recipe_alignment_rule():
+    """One rule, one message: a job built by hand is refused as the recipe would be (trainers.config)."""
+    from trainers.testing import tiny_job
+
+    stages = [STAGES[0], STAGES[1].model_copy(update={"tokens": 1000})]  # stage 2 steps are 16 x 32 tokens
+    with pytest.raises(ValueError, match=r"train\.stages\.1\.tokens: 1000 is not a multiple of global_batch_size\*seq_len \(512\)"):
+        tiny_job("/nonexistent", {"a": "a", "b": "b"}, stages, seq_len=SEQ, global_batch_size=BATCH)
+
+
 def test_exit_code_classes():
     assert classify(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")) in RETRYABLE
     assert classify(RuntimeError("Timed out waiting 1800000ms for send operation to complete")) in RETRYABLE
@@ -122,7 +131,8 @@ def test_init_from_copies_weights_and_refuses_a_mismatch(tmp_path):
 def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
     from types import SimpleNamespace
 
-    from trainers.callbacks import LossAnomaly, LossGuard
+    from trainers.callbacks import LossGuard
+    from trainers.exit_codes import LossAnomaly
     from trainers.config import LossGuardConfig
 
     saver = SimpleNamespace(last_saved_tokens=None)
@@ -147,7 +157,8 @@ def test_the_default_loss_guard_stops_a_loss_no_training_state_reaches():
     import math
     from types import SimpleNamespace
 
-    from trainers.callbacks import LossAnomaly, LossGuard
+    from trainers.callbacks import LossGuard
+    from trainers.exit_codes import LossAnomaly
     from trainers.config import LossGuardConfig
 
     guard = LossGuard(LossGuardConfig(), 0, 0, 0, SimpleNamespace(last_saved_tokens=None), vocab_size=50304)
@@ -208,7 +219,7 @@ def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_pa
 
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
     from trainers.checkpoints import CheckpointInfo, list_complete, publish
-    from trainers.resume import PublishingCheckpointSaver
+    from trainers.saver import PublishingCheckpointSaver
     from trainers.testing import tiny_job
 
     job = tiny_job(tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2)
@@ -270,7 +281,7 @@ def _killed(proc):
 
 def _same_samples_once_each(reference, log: Path) -> None:
     """The effective history equals the uninterrupted reference's, and each stage used every sample once."""
-    from trainers.callbacks import read_sample_log
+    from trainers.faults import read_sample_log
 
     effective = read_sample_log(log)
     assert effective == read_sample_log(reference[1] / "samples.jsonl")
@@ -281,7 +292,7 @@ def _same_samples_once_each(reference, log: Path) -> None:
 
 def _matches_one_process_stage_1(reference, log: Path) -> None:
     """Stage 1 of a multi-rank run: each step drew the reference's samples (split over ranks), same loss."""
-    from trainers.callbacks import read_sample_log
+    from trainers.faults import read_sample_log
 
     _, ref_root = reference
     ref = {t: r for t, r in read_sample_log(ref_root / "samples.jsonl").items() if t <= 2560}
@@ -378,7 +389,7 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
 
 @pytest.mark.slow
 def test_two_stage_curriculum_continues_schedule_and_optimizer(reference):
-    from trainers.callbacks import read_sample_log
+    from trainers.faults import read_sample_log
     from trainers.checkpoints import list_complete
 
     job, root = reference
@@ -517,6 +528,35 @@ def test_lost_manifests_are_rederived_and_no_good_checkpoint_is_deleted(referenc
 
 
 @pytest.mark.slow
+def test_a_resume_inside_a_stage_draws_the_random_numbers_it_saved(tmp_path, sources):
+    """Dropout on: killed mid-stage and resumed, the run ends bit for bit where an uninterrupted one does.
+
+    Composer restores a checkpoint's RNG state only at an epoch start; without trainers/rng.py the
+    resumed steps draw other dropout masks and the weights differ.
+    """
+    import torch
+
+    from trainers.checkpoints import list_complete
+    from trainers.config import ModelConfig
+
+    stage_1 = STAGES[:1]  # the LR horizon is the whole curriculum: both runs get the same one
+    runs = {}
+    for name in ("uninterrupted", "killed"):
+        (tmp_path / name).mkdir()
+        runs[name] = _job(tmp_path / name, sources, stages=stage_1, model=ModelConfig(attention_dropout=0.2))
+    _ok(_launch(runs["uninterrupted"][1], 0, tmp_path / "uninterrupted.jsonl"))
+    job, job_path = runs["killed"]
+    _killed(_launch(job_path, 0, tmp_path / "killed.jsonl", fault="step:1792"))
+    assert [c.tokens for c in list_complete(job.save_folder)] == [1024]  # the resume is inside the stage
+    _ok(_launch(job_path, 0, tmp_path / "killed.jsonl"))
+
+    mine = _model_state(list_complete(job.save_folder)[-1].path)["model"]
+    ref = _model_state(list_complete(runs["uninterrupted"][0].save_folder)[-1].path)["model"]
+    assert mine.keys() == ref.keys()
+    assert all(torch.equal(mine[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(mine[k], ref[k])]
+
+
+@pytest.mark.slow
 def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
     """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
     exits with a relaunchable code; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
@@ -539,7 +579,7 @@ def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, s
 @pytest.mark.slow
 def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources):
     """A NaN at step 7 (last checkpoint at step 4): exit RETRYABLE, relaunch skips steps 5-7's samples."""
-    from trainers.callbacks import read_sample_log
+    from trainers.faults import read_sample_log
     from trainers.checkpoints import list_complete
     from trainers.rollback import read_rollbacks
 
@@ -635,7 +675,7 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
 @pytest.mark.slow
 def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     """Stage 2 trains on 64-token samples (data packed at 64) after 32-token stage 1; a kill inside it resumes."""
-    from trainers.callbacks import read_sample_log
+    from trainers.faults import read_sample_log
     from trainers.checkpoints import list_complete
     from trainers.export import export_hf
     from trainers.testing import write_mds

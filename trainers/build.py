@@ -21,7 +21,7 @@ from composer.models import HuggingFaceModel
 
 from trainers import lease
 from trainers import model as model_lib
-from trainers.callbacks import LossGuard, MlflowMetrics, Probe, Progress
+from trainers.callbacks import LossGuard, MlflowMetrics, Progress
 from trainers.config import TrainJob
 from trainers.data import (
     build_stage_data,
@@ -29,19 +29,16 @@ from trainers.data import (
     cache_dir_for,
 )
 from trainers.exit_codes import FatalError, RetryableError
+from trainers.faults import Probe
 from trainers.mlflow_model import download_model
+from trainers.optimizer_seed import seed_optimizer
 from trainers.remote import fetch_folder
-from trainers.shm import clean_stale_streaming_shm
-from trainers.resume import (
-    PublishingCheckpointSaver,
-    StartPlan,
-    checkpoint_due,
-    drop_dataset_state,
-    plan_start,
-    prepare_node,
-)
+from trainers.resume import StartPlan, drop_dataset_state, plan_start, prepare_node
+from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
+from trainers.saver import PublishingCheckpointSaver, checkpoint_due
 from trainers.schedule import GlobalLRSchedule, stage_bounds
+from trainers.shm import clean_stale_streaming_shm
 
 log = logging.getLogger("tessera.train")
 T = TypeVar("T")
@@ -274,7 +271,9 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         relog=bool(skip),
     )  # fmt: skip
     saver = PublishingCheckpointSaver(job, stage_index)
+    rng = RestoreRng()
     callbacks = [
+        rng,  # first: nothing may draw random numbers before a resumed run has its saved state back
         schedule,
         # Before the saver: a bad step must never be checkpointed.
         LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver, job.vocab_size),
@@ -321,12 +320,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
         # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
         trainer.state.timestamp = trainer.state.timestamp.to_next_epoch()
+    rng.take_from(trainer)  # a resume inside the stage: Composer would not restore the RNG state
     if skip:
         log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
         apply_skip(trainer, skip)
     if job.train.init_optimizer_from and plan.kind == "fresh":  # later launches restore their own
-        from trainers.optimizer_seed import seed_optimizer
-
         outcome = seed_optimizer(trainer.state.model, trainer.state.optimizers[0], job.train.init_optimizer_from)
         log.info("optimizer state: %s", outcome)
         metrics.start_tags["tessera.optimizer_state"] = outcome

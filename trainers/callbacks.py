@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -15,10 +14,9 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from trainers.config import LossGuardConfig, MlflowTarget
-from trainers.exit_codes import FatalError
+from trainers.exit_codes import LossAnomaly
 from trainers.metrics_outbox import Outbox, close_wait_s, marker_path, read_marker
 from trainers.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, format_progress
-from trainers.resume import _maybe_fault
 
 # A failed launch's own wait for MLflow, before its relaunch (which delivers the journal first).
 FAILED_CLOSE_WAIT_S = 10.0
@@ -227,12 +225,6 @@ class LossGuard(Callback):
         self.mean: float | None = None
         self.steps = 0
 
-    def batch_start(self, state: State, logger: Logger) -> None:
-        if os.environ.get("TESSERA_FAULT") == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
-            # Test hook: poison one weight so this step's forward really produces a NaN loss.
-            with torch.no_grad():
-                next(state.model.parameters()).view(-1)[0] = float("nan")
-
     def batch_end(self, state: State, logger: Logger) -> None:
         if not self.cfg.enabled or not state.total_loss_dict:
             return
@@ -253,53 +245,3 @@ class LossGuard(Callback):
             raise LossAnomaly(problem, tokens, self.resume_tokens, self.already_skipped, self.stage_index)
         self.steps += 1
         self.mean = loss if self.mean is None else 0.95 * self.mean + 0.05 * loss
-
-
-def _step_tokens(state: State) -> int:
-    return int(state.batch["input_ids"].numel()) * dist.get_world_size()
-
-
-class LossAnomaly(FatalError):
-    """A bad loss. Fatal if it escapes; the entrypoint turns it into a rollback while budget lasts."""
-
-    def __init__(self, message: str, tokens: int, resume_tokens: int, already_skipped: int, stage_index: int):
-        super().__init__(message)
-        self.tokens = tokens
-        self.resume_tokens = resume_tokens
-        self.already_skipped = already_skipped
-        self.stage_index = stage_index
-
-
-class Probe(Callback):
-    """Test probes, off unless their environment variable is set.
-
-    TESSERA_SAMPLE_LOG=<file>: rank 0 appends one JSON line per step, {tokens, samples, loss}:
-    the global sample indices the step trained on (per rank) and the rank-averaged loss.
-    TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
-    """
-
-    def __init__(self):
-        self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
-
-    def batch_end(self, state: State, logger: Logger) -> None:
-        tokens = int(state.timestamp.token)
-        if self.sample_log:
-            mine = state.batch["sample_idx"].tolist()
-            everyone = dist.all_gather_object(mine)
-            if dist.get_global_rank() == 0:
-                with open(self.sample_log, "a") as f:
-                    loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else None
-                    f.write(json.dumps({"tokens": tokens, "samples": everyone, "loss": loss}) + "\n")
-        _maybe_fault("step", tokens)
-
-
-def read_sample_log(path: str | Path) -> dict[int, dict]:
-    """The effective history: for each step (by token count) the record of the last launch that trained it.
-
-    A relaunch re-trains the steps after its checkpoint, so later lines overwrite earlier ones.
-    """
-    steps: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        record = json.loads(line)
-        steps[record["tokens"]] = record
-    return dict(sorted(steps.items()))

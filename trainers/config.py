@@ -39,6 +39,9 @@ class ModelConfig(_Strict):
     tie_embeddings: bool = Field(True, description="Share the input embedding with the output projection.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    attention_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the attention weights while training (LlamaConfig.attention_dropout)."
+    )
     init_from: str | None = Field(
         None,
         description="Continued pretraining: an HF model directory (or an MLflow 'models:/<name>/<version>' URI, "
@@ -213,6 +216,33 @@ class MlflowTarget(_Strict):
     run_id: str = Field(..., description="The run to log into.")
 
 
+def stage_bounds(train: TrainConfig) -> list[tuple[int, int]]:
+    """[start, end) token range of each stage, counted from the start of the run."""
+    bounds, start = [], 0
+    for stage in train.stages:
+        bounds.append((start, start + stage.tokens))
+        start += stage.tokens
+    return bounds
+
+
+def batch_alignment_errors(train: TrainConfig, seq_len: int, every: int) -> list[tuple[tuple, str]]:
+    """Token counts that whole steps cannot land on, as (recipe location, message), eval.every first.
+
+    The one statement of the rule: the recipe's cross-check (flows/recipe.py) and TrainJob both use it.
+    A stage's step is its own global_batch_size x seq_len; eval.every is checked against the run's.
+    """
+    errors: list[tuple[tuple, str]] = []
+    per_batch = train.global_batch_size * seq_len
+    if every % per_batch:
+        errors.append((("eval", "every"), f"{every} is not a multiple of global_batch_size*seq_len ({per_batch})"))
+    for i, stage in enumerate(train.stages):
+        per_step = (stage.global_batch_size or train.global_batch_size) * (stage.seq_len or seq_len)
+        if stage.tokens % per_step:
+            errors.append((("train", "stages", i, "tokens"),
+                           f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})"))  # fmt: skip
+    return errors
+
+
 class TrainJob(_Strict):
     """Everything one training job needs, resolved by the flow; the only input of trainers.train."""
 
@@ -275,15 +305,6 @@ class TrainJob(_Strict):
             if missing:
                 at = f" at seq_len {self.stage_seq_len(k)}" if self.stage_seq_len(k) != self.seq_len else ""
                 raise ValueError(f"stage {stage.name!r} mixes unknown sources{at}: {', '.join(missing)}")
-            per_step = self.stage_tokens_per_batch(k)
-            if stage.tokens % per_step:
-                raise ValueError(
-                    f"stage {stage.name!r}: tokens ({stage.tokens}) must be a multiple of "
-                    f"global_batch_size*seq_len ({per_step})"
-                )
-        if self.checkpoint_every_tokens % self.tokens_per_batch:
-            raise ValueError(
-                f"eval.every ({self.checkpoint_every_tokens}) must be a multiple of "
-                f"global_batch_size*seq_len ({self.tokens_per_batch})"
-            )
+        for loc, message in batch_alignment_errors(self.train, self.seq_len, self.checkpoint_every_tokens)[:1]:
+            raise ValueError(f"{'.'.join(map(str, loc))}: {message}")
         return self

@@ -39,6 +39,17 @@ class FatalError(Exception):
     """A failure that relaunching cannot fix. The message is printed as one line."""
 
 
+class LossAnomaly(FatalError):
+    """A bad loss. Fatal if it escapes; the entrypoint turns it into a rollback while budget lasts."""
+
+    def __init__(self, message: str, tokens: int, resume_tokens: int, already_skipped: int, stage_index: int):
+        super().__init__(message)
+        self.tokens = tokens
+        self.resume_tokens = resume_tokens
+        self.already_skipped = already_skipped
+        self.stage_index = stage_index
+
+
 class RetryableError(Exception):
     """A failure that relaunching (which resumes from the last checkpoint) can fix."""
 

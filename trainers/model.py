@@ -22,6 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.config import ModelConfig
+from trainers.exit_codes import FatalError
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
 # with the GPT-NeoX vocabulary of ~50k and tied embeddings). Per-block weights are
@@ -63,6 +64,7 @@ def llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_
         max_position_embeddings=max_seq_len,
         rope_theta=cfg.rope_theta,
         initializer_range=cfg.init_std,
+        attention_dropout=cfg.attention_dropout,
         tie_word_embeddings=cfg.tie_embeddings,
         # Packed data has no padding; EOS separates documents, so pad = eos is only a label for generate().
         bos_token_id=eos_token_id,
@@ -133,8 +135,6 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from trainers.exit_codes import FatalError
 
     if (Path(source_dir) / "MLmodel").is_file():  # a registry version: an MLflow Model holding the HF dir
         source_dir = str(Path(source_dir) / "model")

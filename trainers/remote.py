@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 from trainers import checkpoints
-from trainers.checkpoints import CheckpointInfo
-from trainers.config import TrainJob
+from trainers.checkpoints import CheckpointInfo, is_intact
+from trainers.config import TrainJob, stage_bounds
 from trainers.exit_codes import FatalError, RetryableError
 
 log = logging.getLogger("tessera.remote")
@@ -129,8 +129,6 @@ class RemoteFolder:
 
     def download(self, info: CheckpointInfo, folder: Path) -> CheckpointInfo:
         """Fetch a remote checkpoint into the local folder and publish it there."""
-        from trainers.resume import is_intact
-
         name = Path(info.path).name
         target = folder / name
         log.info("downloading %s (%d tokens) from %s", name, info.tokens, self.uri)
@@ -197,8 +195,6 @@ def reconcile(remote: RemoteFolder, job: TrainJob, stage_index: int, local: list
     Uploads local ones the remote lacks, then downloads the one this launch would start from
     (the stage's newest, or the previous stage's end) when only the remote has it.
     """
-    from trainers.schedule import stage_bounds
-
     shutil.rmtree(Path(job.save_folder) / STAGING_DIR, ignore_errors=True)
     remote_done = {c.tokens: c for c in remote.complete()}
     for info in local:

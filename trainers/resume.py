@@ -1,4 +1,4 @@
-"""Where a launch starts from, and how checkpoints become visible.
+"""Where a launch starts from: the save folder's layout, its repair, and the start plan.
 
 Layout of `save_folder` (names are scoped by run_name, so two runs can share a folder):
     <run>-s<K>-tok<T>-rank0.pt       Composer checkpoint of stage K after T tokens of the run
@@ -7,14 +7,15 @@ Layout of `save_folder` (names are scoped by run_name, so two runs can share a f
     <run>-stages.json                ledger of stage specs already trained on
 With an s3:// train.save_folder the same names also live remotely (trainers/remote.py).
 
-The order of a save is: write .pt -> publish manifest -> repoint the latest symlink. A kill at
+The order of a save (trainers/saver.py) is: write .pt -> publish manifest -> repoint the latest symlink. A kill at
 any point leaves the symlink on the previous complete checkpoint, so autoresume never follows
 a half-written file. Before each launch, `plan_start` repairs what a kill can leave behind:
 .pt files without a manifest are deleted, manifests whose file fails an integrity check are
 withdrawn, and the symlink is re-derived from the newest surviving manifest of the stage.
 
 A launch of stage K is one of:
-    resume  a checkpoint of stage K exists: autoresume loads everything, data position included.
+    resume  a checkpoint of stage K exists: autoresume loads everything, data position included
+            (the RNG state is put back by trainers/rng.py: Composer would not, inside an epoch).
     enter   none does, K > 0: load the end checkpoint of stage K-1 (weights, optimizer, RNG,
             timestamp) but not its data position, since stage K reads a different mixture.
     fresh   K == 0 and nothing saved yet.
@@ -26,25 +27,18 @@ import json
 import logging
 import os
 import re
-import signal
-import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from composer.callbacks import CheckpointSaver
-from composer.core import Event, State
-from composer.loggers import Logger
-from composer.utils import dist
 
 from trainers import checkpoints
-from trainers.checkpoints import CheckpointInfo
-from trainers.config import StageConfig, TrainJob
+from trainers.checkpoints import CheckpointInfo, is_intact
+from trainers.config import StageConfig, TrainJob, stage_bounds
 from trainers.exit_codes import FatalError
+from trainers.faults import maybe_stall
 from trainers.remote import RemoteFolder, reconcile
 from trainers.rollback import rollbacks_path
-from trainers.schedule import stage_bounds
 
 log = logging.getLogger("tessera.resume")
 
@@ -62,20 +56,7 @@ def _ledger_path(job: TrainJob) -> Path:
     return Path(job.save_folder) / f"{job.run_name}-stages.json"
 
 
-def is_intact(path: str | Path) -> bool:
-    """Cheap integrity check of a torch.save zip: a file cut short by a kill has no central directory.
-
-    It reads the directory at the end of the file, not the payload, so it stays O(1) for a 7B
-    checkpoint; bit rot inside the payload is left to torch.load to report.
-    """
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return any(name.endswith("data.pkl") for name in zf.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
-
-
-def _atomic_symlink(target: Path, link: Path) -> None:
+def atomic_symlink(target: Path, link: Path) -> None:
     tmp = link.with_name(f".tmp-{link.name}")
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, link.parent), tmp)
@@ -118,7 +99,7 @@ def _record_ledger(job: TrainJob, stage_index: int, remote: RemoteFolder | None)
             remote.push_file(path)
 
 
-def _own_file(job: TrainJob, name: str) -> re.Match | None:
+def own_file(job: TrainJob, name: str) -> re.Match | None:
     """Whether a file name is one of this run's checkpoints (not another run's sharing the folder)."""
     return re.match(rf"^{re.escape(job.run_name)}-s(\d+)-tok(\d+)-rank0\.pt$", name)
 
@@ -127,7 +108,7 @@ def _run_checkpoints(job: TrainJob) -> list[tuple[int, int, Path]]:
     """(stage_index, tokens, path) of this run's checkpoint files on disk."""
     found = []
     for path in Path(job.save_folder).glob(f"{job.run_name}-s*-tok*-rank0.pt"):
-        match = _own_file(job, path.name)
+        match = own_file(job, path.name)
         if match:
             found.append((int(match[1]), int(match[2]), path))
     return found
@@ -171,7 +152,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
         remote.pull_json_list(rollbacks_path(job))
     _check_ledger(job)
 
-    complete = [c for c in checkpoints.list_complete(folder) if _own_file(job, Path(c.path).name)]
+    complete = [c for c in checkpoints.list_complete(folder) if own_file(job, Path(c.path).name)]
     published = {Path(c.path).resolve() for c in complete}
     # A .pt without a manifest was cut short by a kill (drop it: the relaunch re-trains and re-saves
     # those steps deterministically), or finished before its manifest was written or after the
@@ -207,7 +188,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     own = [c for c in good if c.stage_index == stage_index]
     if own:
         newest = max(own, key=lambda c: c.tokens)
-        _atomic_symlink(Path(newest.path), link)
+        atomic_symlink(Path(newest.path), link)
         _record_ledger(job, stage_index, remote)
         return StartPlan("resume", None, newest.tokens, newest.model_dump())
     link.unlink(missing_ok=True)
@@ -263,7 +244,7 @@ def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
     is set to the plan's own choice either way, so a stale one left on this disk by an earlier
     launch is never followed.
     """
-    _maybe_stall("node")
+    maybe_stall("node")
     folder = Path(job.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     link = folder / latest_name(job, stage_index).format(rank=0)
@@ -281,7 +262,7 @@ def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
             )
         path = Path(remote.download(info, folder).path)
     if plan.kind == "resume":
-        _atomic_symlink(path, link)
+        atomic_symlink(path, link)
     else:
         link.unlink(missing_ok=True)
 
@@ -289,128 +270,3 @@ def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
 def drop_dataset_state(state_dict: dict) -> None:
     """load_ignore_keys for entering a stage: the previous stage's data position means nothing here."""
     state_dict["state"].pop("dataset_state", None)
-
-
-def checkpoint_due(job: TrainJob, stage_index: int, event_wanted: Event):
-    """`(state, event) -> bool`: true at `event_wanted` of every step that is checkpointed.
-
-    A step is checkpointed when it crosses a multiple of checkpoint_every_tokens ("crossed" rather
-    than "is a multiple": with per-stage batch sizes a stage's steps need not land on the
-    multiples themselves) and at the stage's end. Validation runs on the same steps.
-    """
-    every = job.checkpoint_every_tokens
-    step = job.stage_tokens_per_batch(stage_index)
-    stage_end = stage_bounds(job.train)[stage_index][1]
-
-    def due(state: State, event: Event) -> bool:
-        tokens = int(state.timestamp.token.value)
-        return event == event_wanted and (tokens // every > (tokens - step) // every or tokens >= stage_end)
-
-    return due
-
-
-class PublishingCheckpointSaver(CheckpointSaver):
-    """Composer's saver, reordered so the latest symlink moves only after the manifest is published.
-
-    Saves at every multiple of checkpoint_every_tokens and at the stage's end. Keeps the last
-    `keep` complete checkpoints of the run (by manifest), never the in-progress one.
-    """
-
-    def __init__(self, job: TrainJob, stage_index: int):
-        self.job = job
-        self.stage_index = stage_index
-        self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
-        self.last_saved_tokens: int | None = None
-        due = checkpoint_due(job, stage_index, Event.BATCH_CHECKPOINT)
-        super().__init__(
-            folder=job.save_folder,
-            filename=checkpoint_name(job, stage_index),
-            remote_file_name=None,
-            latest_filename=latest_name(job, stage_index),
-            # Unused without remote_file_name, but Composer's autoresume asserts it is set.
-            latest_remote_file_name=latest_name(job, stage_index),
-            save_interval=due,
-            overwrite=True,  # a file left by a killed save is replaced; plan_start already removed it
-            num_checkpoints_to_keep=-1,  # rotation is by manifest below; Composer's list forgets across relaunches
-        )
-
-    def _save_checkpoint(self, state: State, logger: Logger) -> None:
-        latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
-        try:
-            super()._save_checkpoint(state, logger)
-        finally:
-            self.latest_filename = latest
-        tokens = int(state.timestamp.token.value)
-        self.last_saved_tokens = tokens
-        if dist.get_global_rank() != 0:
-            return
-        path = Path(self.saved_checkpoints[-1]).resolve()
-        _maybe_fault("save", tokens, path)
-        info = CheckpointInfo(
-            path=str(path),
-            tokens=tokens,
-            batch=int(state.timestamp.batch.value),
-            stage=self.job.train.stages[self.stage_index].name,
-            stage_index=self.stage_index,
-        )
-        checkpoints.publish(self.job.save_folder, info)
-        _atomic_symlink(path, Path(self.job.save_folder) / latest_name(self.job, self.stage_index).format(rank=0))
-        _maybe_fault("published", tokens)
-        if self.remote is not None:
-            self.remote.upload_async(info)
-        self._keep_last()
-
-    def batch_end(self, state: State, logger: Logger) -> None:
-        super().batch_end(state, logger)
-        if self.remote is not None:
-            self.remote.poll(self.job.train.keep_checkpoints)
-
-    def fit_end(self, state: State, logger: Logger) -> None:
-        super().fit_end(state, logger)
-        if self.remote is not None:  # the stage is done only when its checkpoints are up
-            self.remote.poll(self.job.train.keep_checkpoints, block=True)
-
-    def post_close(self) -> None:
-        super().post_close()
-        if self.remote is not None:
-            self.remote.close()
-
-    def _keep_last(self) -> None:
-        keep = self.job.train.keep_checkpoints
-        if keep is None:
-            return
-        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if _own_file(self.job, Path(c.path).name)]
-        for old in complete[:-keep]:
-            # Manifest first: a watcher must never see a manifest whose file is gone mid-read.
-            checkpoints.manifest_path(self.job.save_folder, old.tokens).unlink(missing_ok=True)
-            Path(old.path).unlink(missing_ok=True)
-
-
-FAULT_ENV = "TESSERA_FAULT"
-
-
-def _maybe_stall(point: str) -> None:
-    """`TESSERA_FAULT=stall-<point>:<seconds>`: this rank is slow there (a large download, say)."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec.startswith(f"stall-{point}:"):
-        time.sleep(float(spec.split(":", 1)[1]))
-
-
-def _maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
-    """Fault injection for the kill -9 tests: `TESSERA_FAULT=<point>:<tokens>`
-    (optionally only on rank TESSERA_FAULT_RANK).
-
-    `save` truncates the just-written checkpoint to half (what a kill mid-write leaves) and
-    SIGKILLs this process before the manifest; `published` SIGKILLs after the local manifest,
-    before any upload to a remote save folder; `step` SIGKILLs right after that step.
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec != f"{point}:{tokens}":
-        return
-    if os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
-        return  # TESSERA_FAULT_RANK=<r> limits the fault to one rank: a lost peer
-    if path is not None:
-        size = path.stat().st_size
-        with open(path, "r+b") as f:
-            f.truncate(size // 2)
-    os.kill(os.getpid(), signal.SIGKILL)

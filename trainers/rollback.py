@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from trainers.config import TrainJob
-from trainers.exit_codes import ExitCode
+from trainers.exit_codes import ExitCode, LossAnomaly
+from trainers.remote import RemoteFolder
 
 
 def rollbacks_path(job: TrainJob) -> Path:
@@ -37,8 +38,6 @@ def read_rollbacks(job: TrainJob) -> list[dict]:
 def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
     """Exit code for a loss anomaly (and its rollback record), or None when `exc` is not one."""
     from composer.utils import dist
-
-    from trainers.callbacks import LossAnomaly
 
     if not isinstance(exc, LossAnomaly):
         return None
@@ -69,8 +68,6 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
         tmp = rollbacks_path(job).with_suffix(".tmp")
         tmp.write_text(json.dumps(records, indent=1))
         os.replace(tmp, rollbacks_path(job))
-        from trainers.remote import RemoteFolder
-
         remote = RemoteFolder.for_job(job)
         if remote is not None:  # the relaunch may land on another node
             remote.push_file(rollbacks_path(job))

@@ -13,16 +13,7 @@ import math
 from composer.core import Callback, State
 from composer.loggers import Logger
 
-from trainers.config import TrainConfig
-
-
-def stage_bounds(train: TrainConfig) -> list[tuple[int, int]]:
-    """[start, end) token range of each stage, counted from the start of the run."""
-    bounds, start = [], 0
-    for stage in train.stages:
-        bounds.append((start, start + stage.tokens))
-        start += stage.tokens
-    return bounds
+from trainers.config import TrainConfig, stage_bounds
 
 
 def _base(train: TrainConfig, done: int) -> float:

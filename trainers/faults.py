@@ -1,0 +1,95 @@
+"""Fault injection and observation, for the tests and benches; inert unless their variables are set.
+
+One module holds every hook, so what a test can do to a trainer is read in one place:
+`TESSERA_FAULT=<point>:<tokens>` (step, save, published: SIGKILL there; nan: poison that step),
+`TESSERA_FAULT=stall-<point>:<seconds>`, `TESSERA_FAULT_RANK=<r>` (only on that rank) and
+`TESSERA_SAMPLE_LOG=<file>` (what each step trained on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+FAULT_ENV = "TESSERA_FAULT"
+
+
+def maybe_stall(point: str) -> None:
+    """`TESSERA_FAULT=stall-<point>:<seconds>`: this rank is slow there (a large download, say)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith(f"stall-{point}:"):
+        time.sleep(float(spec.split(":", 1)[1]))
+
+
+def maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
+    """Fault injection for the kill -9 tests: `TESSERA_FAULT=<point>:<tokens>`
+    (optionally only on rank TESSERA_FAULT_RANK).
+
+    `save` truncates the just-written checkpoint to half (what a kill mid-write leaves) and
+    SIGKILLs this process before the manifest; `published` SIGKILLs after the local manifest,
+    before any upload to a remote save folder; `step` SIGKILLs right after that step.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec != f"{point}:{tokens}":
+        return
+    if os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return  # TESSERA_FAULT_RANK=<r> limits the fault to one rank: a lost peer
+    if path is not None:
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_tokens(state: State) -> int:
+    return int(state.batch["input_ids"].numel()) * dist.get_world_size()
+
+
+class Probe(Callback):
+    """Test probes, off unless their environment variable is set.
+
+    TESSERA_SAMPLE_LOG=<file>: rank 0 appends one JSON line per step, {tokens, samples, loss}:
+    the global sample indices the step trained on (per rank) and the rank-averaged loss.
+    TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
+    TESSERA_FAULT=nan:<tokens>: the step that ends at <tokens> computes a NaN loss.
+    """
+
+    def __init__(self):
+        self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if os.environ.get(FAULT_ENV) == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
+            # Test hook: poison one weight so this step's forward really produces a NaN loss.
+            with torch.no_grad():
+                next(state.model.parameters()).view(-1)[0] = float("nan")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        tokens = int(state.timestamp.token)
+        if self.sample_log:
+            mine = state.batch["sample_idx"].tolist()
+            everyone = dist.all_gather_object(mine)
+            if dist.get_global_rank() == 0:
+                with open(self.sample_log, "a") as f:
+                    loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else None
+                    f.write(json.dumps({"tokens": tokens, "samples": everyone, "loss": loss}) + "\n")
+        maybe_fault("step", tokens)
+
+
+def read_sample_log(path: str | Path) -> dict[int, dict]:
+    """The effective history: for each step (by token count) the record of the last launch that trained it.
+
+    A relaunch re-trains the steps after its checkpoint, so later lines overwrite earlier ones.
+    """
+    steps: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        steps[record["tokens"]] = record
+    return dict(sorted(steps.items()))

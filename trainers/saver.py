@@ -1,0 +1,118 @@
+"""The checkpoint saver: when a step is saved, and how a saved file becomes visible.
+
+Composer's CheckpointSaver writes the file; this one publishes its manifest (the done-marker,
+trainers/checkpoints.py), then moves the stage's latest symlink, then hands the file to the s3://
+mirror, then rotates. The layout and the repair a launch does first are in trainers/resume.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from composer.callbacks import CheckpointSaver
+from composer.core import Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from trainers import checkpoints
+from trainers.checkpoints import CheckpointInfo
+from trainers.config import TrainJob, stage_bounds
+from trainers.faults import maybe_fault
+from trainers.remote import RemoteFolder
+from trainers.resume import atomic_symlink, checkpoint_name, latest_name, own_file
+
+
+def checkpoint_due(job: TrainJob, stage_index: int, event_wanted: Event):
+    """`(state, event) -> bool`: true at `event_wanted` of every step that is checkpointed.
+
+    A step is checkpointed when it crosses a multiple of checkpoint_every_tokens ("crossed" rather
+    than "is a multiple": with per-stage batch sizes a stage's steps need not land on the
+    multiples themselves) and at the stage's end. Validation runs on the same steps.
+    """
+    every = job.checkpoint_every_tokens
+    step = job.stage_tokens_per_batch(stage_index)
+    stage_end = stage_bounds(job.train)[stage_index][1]
+
+    def due(state: State, event: Event) -> bool:
+        tokens = int(state.timestamp.token.value)
+        return event == event_wanted and (tokens // every > (tokens - step) // every or tokens >= stage_end)
+
+    return due
+
+
+class PublishingCheckpointSaver(CheckpointSaver):
+    """Composer's saver, reordered so the latest symlink moves only after the manifest is published.
+
+    Saves at every multiple of checkpoint_every_tokens and at the stage's end. Keeps the last
+    `keep` complete checkpoints of the run (by manifest), never the in-progress one.
+    """
+
+    def __init__(self, job: TrainJob, stage_index: int):
+        self.job = job
+        self.stage_index = stage_index
+        self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
+        self.last_saved_tokens: int | None = None
+        due = checkpoint_due(job, stage_index, Event.BATCH_CHECKPOINT)
+        super().__init__(
+            folder=job.save_folder,
+            filename=checkpoint_name(job, stage_index),
+            remote_file_name=None,
+            latest_filename=latest_name(job, stage_index),
+            # Unused without remote_file_name, but Composer's autoresume asserts it is set.
+            latest_remote_file_name=latest_name(job, stage_index),
+            save_interval=due,
+            overwrite=True,  # a file left by a killed save is replaced; plan_start already removed it
+            num_checkpoints_to_keep=-1,  # rotation is by manifest below; Composer's list forgets across relaunches
+        )
+
+    def _save_checkpoint(self, state: State, logger: Logger) -> None:
+        latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
+        try:
+            super()._save_checkpoint(state, logger)
+        finally:
+            self.latest_filename = latest
+        tokens = int(state.timestamp.token.value)
+        self.last_saved_tokens = tokens
+        if dist.get_global_rank() != 0:
+            return
+        path = Path(self.saved_checkpoints[-1]).resolve()
+        maybe_fault("save", tokens, path)
+        info = CheckpointInfo(
+            path=str(path),
+            tokens=tokens,
+            batch=int(state.timestamp.batch.value),
+            stage=self.job.train.stages[self.stage_index].name,
+            stage_index=self.stage_index,
+        )
+        checkpoints.publish(self.job.save_folder, info)
+        atomic_symlink(path, Path(self.job.save_folder) / latest_name(self.job, self.stage_index).format(rank=0))
+        maybe_fault("published", tokens)
+        if self.remote is not None:
+            self.remote.upload_async(info)
+        self._keep_last()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        super().batch_end(state, logger)
+        if self.remote is not None:
+            self.remote.poll(self.job.train.keep_checkpoints)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        super().fit_end(state, logger)
+        if self.remote is not None:  # the stage is done only when its checkpoints are up
+            self.remote.poll(self.job.train.keep_checkpoints, block=True)
+
+    def post_close(self) -> None:
+        super().post_close()
+        if self.remote is not None:
+            self.remote.close()
+
+    def _keep_last(self) -> None:
+        keep = self.job.train.keep_checkpoints
+        if keep is None:
+            return
+        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if own_file(self.job, Path(c.path).name)]
+        for old in complete[:-keep]:
+            # Manifest first: a watcher must never see a manifest whose file is gone mid-read.
+            checkpoints.manifest_path(self.job.save_folder, old.tokens).unlink(missing_ok=True)
+            Path(old.path).unlink(missing_ok=True)
