@@ -60,9 +60,12 @@ def _write_checkpoint(folder: Path, preset: str) -> tuple[Path, int]:
 
 
 def _peak_mb(kind: str, path: Path) -> float:
-    code = f"import sys, resource; {LOAD[kind]}; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so a child of this process (which
+    # has just trained the 125M model) would report this process's peak, whatever it loads itself.
+    hwm = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))"
+    code = f"import re, sys; {LOAD[kind]}; print({hwm})"
     out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
+    return int(out.stdout.split()[-1]) / 1024  # kB
 
 
 def main() -> None:
