@@ -18,7 +18,7 @@ from infra.config import Backend, ComputeConfig
 from tasks.data.config import DataConfig
 from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
-from trainers.config import ModelConfig, TrainConfig, batch_alignment_errors
+from trainers.config import ModelConfig, TrainConfig, batch_alignment_error
 
 
 class RecipeError(ValueError):
@@ -95,8 +95,9 @@ class Recipe(BaseModel):
                 raise _CrossCheckError(
                     ("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}"
                 )
-        for loc, message in batch_alignment_errors(self.train, self.data.seq_len, self.eval.every)[:1]:
-            raise _CrossCheckError(loc, message)
+        misaligned = batch_alignment_error(self.train, self.data.seq_len, self.eval.every)
+        if misaligned is not None:
+            raise _CrossCheckError(*misaligned)
         if self.compute.backend == "kubernetes":
             # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
             for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):

@@ -352,16 +352,6 @@ def eval_job(cfg: KubernetesConfig, work: Workload, module: str, args: Sequence[
     }
 
 
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
-
-
-def quantity_bytes(quantity: str) -> int:
-    """A Kubernetes memory/storage quantity ("500Gi", "1.5T") in bytes."""
-    number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()
-    return int(float(number) * _SUFFIX[suffix])
-
-
 def pod_job_file(job_json: str, cfg: KubernetesConfig) -> str:
     """The trainer's job as the pod sees it: checkpoints in the pod's scratch volume (mirrored to s3 by
     the trainer), everything else as the flow wrote it, except that a cache emptyDir bounds Streaming's
@@ -370,7 +360,9 @@ def pod_job_file(job_json: str, cfg: KubernetesConfig) -> str:
     job = json.loads(job_json)
     job["save_folder"] = POD_SAVE_FOLDER
     if cfg.cache is not None and cfg.cache.claim_name is None and job["train"].get("stream_cache_limit") is None:
-        job["train"]["stream_cache_limit"] = str(quantity_bytes(cfg.cache.size) * 9 // 10)
+        from kubernetes.utils import parse_quantity  # "500Gi", "1.5T" -> bytes, as the API server reads them
+
+        job["train"]["stream_cache_limit"] = str(int(parse_quantity(cfg.cache.size)) * 9 // 10)
     return json.dumps(job, indent=2)
 
 

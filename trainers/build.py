@@ -124,11 +124,10 @@ def _rank0_decides(decide: Callable[[], T]) -> T:
 def _run_and_post(store, key: str, work: Callable[[], object]) -> None:
     try:
         _post(store, key, work(), None)
-    except (FatalError, RetryableError) as exc:
-        _post(store, key, None, exc)
     except Exception as exc:
         _post(store, key, None, exc)
-        raise
+        if not isinstance(exc, (FatalError, RetryableError)):  # those are raised again by _read, on every rank
+            raise
 
 
 def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:

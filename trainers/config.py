@@ -225,22 +225,21 @@ def stage_bounds(train: TrainConfig) -> list[tuple[int, int]]:
     return bounds
 
 
-def batch_alignment_errors(train: TrainConfig, seq_len: int, every: int) -> list[tuple[tuple, str]]:
-    """Token counts that whole steps cannot land on, as (recipe location, message), eval.every first.
+def batch_alignment_error(train: TrainConfig, seq_len: int, every: int) -> tuple[tuple, str] | None:
+    """The first token count that whole steps cannot land on, as (recipe location, message); eval.every first.
 
     The one statement of the rule: the recipe's cross-check (flows/recipe.py) and TrainJob both use it.
     A stage's step is its own global_batch_size x seq_len; eval.every is checked against the run's.
     """
-    errors: list[tuple[tuple, str]] = []
     per_batch = train.global_batch_size * seq_len
     if every % per_batch:
-        errors.append((("eval", "every"), f"{every} is not a multiple of global_batch_size*seq_len ({per_batch})"))
+        return ("eval", "every"), f"{every} is not a multiple of global_batch_size*seq_len ({per_batch})"
     for i, stage in enumerate(train.stages):
         per_step = (stage.global_batch_size or train.global_batch_size) * (stage.seq_len or seq_len)
         if stage.tokens % per_step:
-            errors.append((("train", "stages", i, "tokens"),
-                           f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})"))  # fmt: skip
-    return errors
+            message = f"{stage.tokens} is not a multiple of global_batch_size*seq_len ({per_step})"
+            return ("train", "stages", i, "tokens"), message
+    return None
 
 
 class TrainJob(_Strict):
@@ -305,6 +304,8 @@ class TrainJob(_Strict):
             if missing:
                 at = f" at seq_len {self.stage_seq_len(k)}" if self.stage_seq_len(k) != self.seq_len else ""
                 raise ValueError(f"stage {stage.name!r} mixes unknown sources{at}: {', '.join(missing)}")
-        for loc, message in batch_alignment_errors(self.train, self.seq_len, self.checkpoint_every_tokens)[:1]:
+        misaligned = batch_alignment_error(self.train, self.seq_len, self.checkpoint_every_tokens)
+        if misaligned is not None:
+            loc, message = misaligned
             raise ValueError(f"{'.'.join(map(str, loc))}: {message}")
         return self

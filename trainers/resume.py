@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-
 from trainers import checkpoints
 from trainers.checkpoints import CheckpointInfo, is_intact
 from trainers.config import StageConfig, TrainJob, stage_bounds

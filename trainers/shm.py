@@ -60,4 +60,3 @@ def clean_stale_streaming_shm() -> list[str]:
     if stale:
         log.info("removed %d shared-memory segment(s) a killed launch left: %s", len(stale), ", ".join(stale))
     return stale
-
