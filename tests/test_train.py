@@ -478,6 +478,8 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
     newest = Path(list_complete(job.save_folder)[-1].path)
     assert newest.name == "tiny-s0-tok2048-rank0.pt"
     flip(newest, newest.stat().st_size // 2)
+    other_run = Path(job.save_folder) / "other-s0-tok1024-rank0.pt.corrupt"  # a run sharing the folder
+    other_run.write_bytes(b"kept for its own run's post-mortem")
     _ok(_launch(job_path, 0, log))  # resumed from 1024, retrained 2048
     assert (newest.parent / (newest.name + ".corrupt")).is_file()
 
@@ -487,7 +489,8 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
         pickle = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
     flip(newest, pickle.header_offset + 30 + len(pickle.filename) + pickle.compress_size // 2)
     _ok(_launch(job_path, 1, log))  # re-entered stage 1 from stage 0's end
-    assert [p.name for p in Path(job.save_folder).glob("*.corrupt")] == [newest.name + ".corrupt"]  # one kept
+    corrupt = sorted(p.name for p in Path(job.save_folder).glob("*.corrupt"))
+    assert corrupt == [other_run.name, newest.name + ".corrupt"]  # this run's newest kept, the other run's untouched
     assert [c.tokens for c in list_complete(job.save_folder)] == CKPT_TOKENS
 
     ref_job, _ = reference

@@ -208,12 +208,13 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
 
 def _withdraw(job: TrainJob, info: CheckpointInfo, why: str) -> None:
     """Neither autoresume nor an evaluator may pick it up again. The newest damaged file is kept beside
-    the others as `<name>.corrupt` for a look; older ones go, so they cannot pile up."""
+    the others as `<name>.corrupt` for a look; this run's older ones go, so they cannot pile up (another
+    run sharing the folder keeps its own)."""
     log.warning("checkpoint %s is damaged (%s): withdrawn, the previous one is used", info.path, why)
     checkpoints.manifest_path(job.save_folder, info.tokens).unlink(missing_ok=True)
     kept = Path(f"{info.path}.corrupt")
     for old in Path(job.save_folder).glob("*.corrupt"):
-        if old != kept:
+        if old != kept and own_file(job, old.name.removesuffix(".corrupt")):
             old.unlink(missing_ok=True)
     os.replace(info.path, kept)
 
