@@ -36,7 +36,7 @@ def plain_loop(job, steps: int, warmup: int) -> float:
     from trainers.model import build_model
 
     model = build_model(job.model, job.vocab_size, job.seq_len, job.eos_token_id, job.train.seed)
-    opt = optimizer_for(model, job)
+    opt = optimizer_for(model, job.train.optim)
     data = LocalDataset(local=next(iter(job.streams.values())))
     loader = torch.utils.data.DataLoader(
         range(len(data)), batch_size=job.train.global_batch_size, drop_last=True,

@@ -128,6 +128,27 @@ def test_init_from_copies_weights_and_refuses_a_mismatch(tmp_path):
         load_weights_from(build_model(ModelConfig(n_layers=3), 512, 32, 0, seed=2), str(tmp_path / "hf"))
 
 
+def test_a_model_a_checkpoint_will_overwrite_is_allocated_without_an_init():
+    import torch
+
+    from tests.conftest import TensorOps
+    from trainers.model import build_model, build_model_to_load
+
+    with TensorOps() as initialised:
+        reference = build_model(ModelConfig(), 512, 32, 0, seed=1)
+    assert {"normal_", "uniform_"} & initialised.ops  # the check sees an init when there is one
+    with TensorOps() as allocated:
+        model = build_model_to_load(ModelConfig(), 512, 32, 0)
+    assert not {"normal_", "uniform_", "fill_", "zero_"} & allocated.ops, sorted(allocated.ops)
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # RoPE's inverse frequencies are never saved: they must be computed, not left uninitialised.
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 512, (2, 16))
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
     from types import SimpleNamespace
 
@@ -186,7 +207,7 @@ def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     job = tiny_job("/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": sharding, "activation_checkpointing": True})
     model = build_model(job.model, 512, SEQ, 0, seed=0)
-    parsed = Trainer._parse_parallelism_config(None, fsdp_config(job, model, world_size=4)).fsdp
+    parsed = Trainer._parse_parallelism_config(None, fsdp_config(job.train.parallelism, model, world_size=4)).fsdp
     assert (parsed.sharding_strategy, parsed.activation_checkpointing, parsed.state_dict_type) == (sharding, True, "full")
     assert (parsed.data_parallel_shard_degree, parsed.data_parallel_replicate_degree) == (
         (2, 2) if sharding == "HYBRID_SHARD" else (-1, None)
@@ -228,8 +249,12 @@ def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
         path = Path(job.save_folder) / f"tiny-s0-tok{tokens}-rank0.pt"
         path.write_bytes(b"x")
         publish(job.save_folder, CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0))
-    PublishingCheckpointSaver(job, 0)._keep_last()
-    assert [c.tokens for c in list_complete(job.save_folder)] == [2048, 2560]
+    other = Path(job.save_folder) / "other-s0-tok512-rank0.pt"  # another run sharing the folder keeps its own
+    other.write_bytes(b"x")
+    publish(job.save_folder, CheckpointInfo(path=str(other), tokens=512, batch=1, stage="warm", stage_index=0))
+    saver = PublishingCheckpointSaver(job, 0)
+    saver.run_folder.keep_last(saver.keep_last_k)
+    assert [c.tokens for c in list_complete(job.save_folder)] == [512, 2048, 2560]
     assert not (Path(job.save_folder) / "tiny-s0-tok1024-rank0.pt").exists()
 
 
@@ -412,7 +437,7 @@ def test_two_stage_curriculum_continues_schedule_and_optimizer(reference):
 
 @pytest.mark.slow
 def test_editing_a_trained_stage_is_refused_appending_is_allowed(reference, tmp_path):
-    from trainers.resume import plan_start
+    from trainers.plan import plan_start
     job, root = reference
     edited = job.model_copy(update={"train": job.train.model_copy(update={"stages": [
         STAGES[0].model_copy(update={"tokens": 12 * STEP}), STAGES[1]]})})  # fmt: skip
@@ -584,13 +609,14 @@ def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources
     """A NaN at step 7 (last checkpoint at step 4): exit RETRYABLE, relaunch skips steps 5-7's samples."""
     from trainers.faults import read_sample_log
     from trainers.checkpoints import list_complete
+    from trainers.layout import RunFolder
     from trainers.rollback import read_rollbacks
 
     job, job_path = _job(tmp_path, sources, loss_guard={"max_rollbacks": 1})
     log = tmp_path / "samples.jsonl"
     first = _launch(job_path, 0, log, fault="nan:1792")
     assert first.returncode == ExitCode.RETRYABLE, first.stderr[-2000:]
-    assert [(r["resume_tokens"], r["skip_samples"], r["bad_tokens"]) for r in read_rollbacks(job)] == [(1024, 24, 1792)]
+    assert [(r["resume_tokens"], r["skip_samples"], r["bad_tokens"]) for r in read_rollbacks(RunFolder.of(job))] == [(1024, 24, 1792)]
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024]  # the NaN step was never saved
 
     _ok(_launch(job_path, 0, log))
@@ -686,7 +712,7 @@ def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     long_a = str(write_mds(tmp_path / "a64", 60, 2 * SEQ, 256, seed=3))
     stages = [STAGES[0], StageConfig(name="long", tokens=4 * 2 * STEP, mixture={"a": 1.0}, seq_len=2 * SEQ)]
     job, job_path = _job(tmp_path, sources, stages=stages, seq_len_streams={2 * SEQ: {"a": long_a}})
-    assert (job.stage_seq_len(1), job.max_seq_len, job.stage_tokens_per_batch(1)) == (64, 64, 512)
+    assert (job.stage(1).seq_len, job.max_seq_len, job.stage(1).tokens_per_batch) == (64, 64, 512)
     log = tmp_path / "samples.jsonl"
     _ok(_launch(job_path, 0, log))
     _killed(_launch(job_path, 1, log, fault="step:3584"))  # after the 3072 checkpoint

@@ -35,14 +35,14 @@ def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, mo
     stage = StageConfig(name="s", tokens=8000 * SEQ, mixture={"a": 1.0})
     job = tiny_job(tmp_path / "run", {"a": "s3://data/prepared/a/train"}, [stage], seq_len=SEQ, stream_cache_limit=limit,
                    val_streams={"a": "s3://data/prepared/a/val"}, val_batches=1000)  # fmt: skip
-    train = build_stage_data(job, 0, 1).dataloader
+    train = build_stage_data(job.stage(0), job.train, 1).dataloader
     assert train.dataset.cache_limit == bytes_to_int(limit)
     assert Path(train.dataset.streams[0].local).parent == volume  # cached on the volume, not in /tmp
 
     # A held-out split is read in order, so the bound shows: shards read longest ago are evicted.
     # (A shuffled stage reads across its whole shuffle block, here every shard: with a limit below
     # that, Streaming waits for space that never frees. The recipe field says so.)
-    val = build_val_evaluators(job, 1, due=lambda state, event: True)[0].dataloader.dataloader
+    val = build_val_evaluators(job.val_streams, job.seq_len, job.train, 1, due=lambda state, event: True)[0].dataloader.dataloader
     seen, peak = [], 0
     for batch in val:
         seen += batch["sample_idx"].tolist()
@@ -52,7 +52,7 @@ def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, mo
 
     # local data is read in place: no limit, so Streaming never evicts (deletes) prepared shards
     in_place = tiny_job(tmp_path / "run2", {"a": str(local)}, [stage], seq_len=SEQ, stream_cache_limit=limit)
-    assert build_stage_data(in_place, 0, 1).dataloader.dataset.cache_limit is None
+    assert build_stage_data(in_place.stage(0), in_place.train, 1).dataloader.dataset.cache_limit is None
     assert sorted(local.glob("*.mds")) == shards
 
 

@@ -66,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_trainers_has_no_import_cycle():
     graph, _ = _graph()
-    assert {"resume", "saver", "faults", "checkpoints", "callbacks", "rollback", "remote"} <= set(graph)
+    assert {"layout", "plan", "ledger", "saver", "faults", "checkpoints", "callbacks", "rollback", "remote"} <= set(graph)
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -80,3 +80,33 @@ def test_no_trainers_import_is_hidden_in_a_function():
 def test_the_cycle_check_sees_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# What each module other than layout.py removes; a checkpoint is none of it. layout.py removes local
+# checkpoints (discard, retire, withdraw) and remote.py's `retire` remote ones (through the object
+# store's delete_object, which this check does not count: no other module holds a store).
+REMOVES_OTHER_FILES = {
+    "metrics_outbox": "its own write-ahead journal",
+    "remote": "hard links staged for an upload (.uploading/) and half-downloaded data folders",
+    "shm": "Streaming's shared-memory segments and locks of dead processes",
+}
+
+
+def _removals(path: Path) -> int:
+    """Calls in `path` that remove a file or a tree: x.unlink(), os.remove/unlink(), shutil.rmtree()."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            on_os = isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
+            if node.func.attr in ("unlink", "rmtree") or (on_os and node.func.attr == "remove"):
+                count += 1
+    return count
+
+
+def test_only_layout_removes_checkpoints():
+    removing = {p.stem for p in PACKAGE.glob("*.py") if _removals(p)}
+    assert "layout" in removing
+    assert removing - {"layout"} == set(REMOVES_OTHER_FILES), (
+        "a trainers module removes files without being listed; checkpoints are removed only through "
+        f"trainers/layout.py: {sorted(removing - {'layout'} - set(REMOVES_OTHER_FILES))}"
+    )

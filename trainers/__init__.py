@@ -6,7 +6,10 @@ build.py     assemble the Composer Trainer for one stage
 model.py     the Llama-style decoder, size presets, FLOPs per token
 data.py      one StreamingDataset epoch per stage over the stage's mixture
 schedule.py  the global LR curve (a pure function of tokens) and the callback that applies it
-resume.py    start plan (resume / enter stage / fresh), save-folder repair, publishing saver
+layout.py    the save folder's file names, and the one place that removes a checkpoint
+plan.py      start plan (resume / enter stage / fresh) after repairing what a kill left
+ledger.py    the specs of stages already trained on (appending allowed, editing refused)
+saver.py     which steps are saved, and how a save is published (manifest, then symlink)
 rollback.py  NaN / spike rollback records and the data skip on relaunch
 callbacks.py MLflow metrics, progress lines, the loss guard, test probes
 metrics_outbox.py  metrics to MLflow off the step's path: queue, write-ahead journal, shipper thread

@@ -22,7 +22,7 @@ from composer.models import HuggingFaceModel
 from trainers import lease
 from trainers import model as model_lib
 from trainers.callbacks import LossGuard, MlflowMetrics, Progress
-from trainers.config import TrainJob
+from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, TrainJob
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
@@ -33,11 +33,12 @@ from trainers.faults import Probe
 from trainers.mlflow_model import download_model
 from trainers.optimizer_seed import seed_optimizer
 from trainers.remote import fetch_folder
-from trainers.resume import StartPlan, drop_dataset_state, plan_start, prepare_node
+from trainers.layout import RunFolder
+from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
-from trainers.schedule import GlobalLRSchedule, stage_bounds
+from trainers.schedule import GlobalLRSchedule
 from trainers.shm import clean_stale_streaming_shm
 
 log = logging.getLogger("tessera.train")
@@ -49,9 +50,8 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def optimizer_for(model: torch.nn.Module, job: TrainJob) -> torch.optim.Optimizer:
+def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms (1-D gains), which decay would just pull toward zero."""
-    optim = job.train.optim
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
@@ -141,7 +141,7 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     def decide() -> tuple[StartPlan, int]:
         lease.acquire(job.save_folder, job.run_name)
         plan = plan_start(job, stage_index)
-        return plan, pending_skip(job, stage_index, plan.tokens)
+        return plan, pending_skip(RunFolder.of(job), stage_index, plan.tokens)
 
     plan, skip = _rank0_decides(decide)
     _, world_size = world()
@@ -183,7 +183,7 @@ def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
         hf_module._is_registered_causal_lm = probe
 
 
-def fsdp_config(job: TrainJob, hf_model, world_size: int) -> dict | None:
+def fsdp_config(par: ParallelismConfig, hf_model, world_size: int) -> dict | None:
     """Composer parallelism_config for multi-GPU runs (None: single device, or CPU where ranks use DDP).
 
     Each decoder block is one FSDP unit (and one activation-checkpointing unit): blocks are the
@@ -192,7 +192,6 @@ def fsdp_config(job: TrainJob, hf_model, world_size: int) -> dict | None:
     """
     if not torch.cuda.is_available() or world_size == 1:
         return None
-    par = job.train.parallelism
     for layer in hf_model.model.layers:
         layer._fsdp_wrap = True
         layer._activation_checkpointing = par.activation_checkpointing
@@ -209,20 +208,20 @@ def fsdp_config(job: TrainJob, hf_model, world_size: int) -> dict | None:
     return {"fsdp": fsdp}
 
 
-def _resolve_model_uri(uri: str, job: TrainJob, download_to: str) -> str:
+def _resolve_model_uri(uri: str, tracking: MlflowTarget | None, download_to: str) -> str:
     """A local HF directory for `model.init_from`; MLflow registry URIs are downloaded first."""
     if not uri.startswith("models:/"):
         return uri
-    if job.mlflow is None:
+    if tracking is None:
         raise FatalError(f"model.init_from: {uri} is a registry URI but the job has no mlflow tracking target")
-    return download_model(uri, job.mlflow.tracking_uri, download_to)
+    return download_model(uri, tracking.tracking_uri, download_to)
 
 
 def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     """The Trainer for stage `stage_index`, resumed as plan_start decides; None if the stage is already done."""
     if not 0 <= stage_index < len(job.train.stages):
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
-    stage = job.train.stages[stage_index]
+    stage = job.stage(stage_index)
     _, world_size = world()
     on_gpu = torch.cuda.is_available()
     if world_size > 1:
@@ -242,15 +241,17 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
         dist.barrier()
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
-    start, end = stage_bounds(job.train)[stage_index]
-    if plan.tokens >= end:
+    if plan.tokens >= stage.end:
         log.info("stage %s is already complete", stage.name)
         return None
 
-    hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
+    if plan.kind == "fresh" and not job.model.init_from:
+        hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
+    else:  # every weight is about to be overwritten (a checkpoint, or init_from's): allocate, skip the init
+        hf_model = model_lib.build_model_to_load(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id)
     if job.model.init_from and plan.kind == "fresh":  # later launches load the run's own checkpoints
         with tempfile.TemporaryDirectory(prefix="tessera-init-") as tmp:  # the weights end up in memory
-            model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job, tmp))
+            model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job.mlflow, tmp))
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -261,10 +262,10 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         tokenizer = AutoTokenizer.from_pretrained(local)
     model = _wrap(hf_model, tokenizer)
 
-    schedule = GlobalLRSchedule(job.train, job.stage_tokens_per_batch(stage_index))
-    flops = model_lib.flops_per_token(job.model, job.vocab_size, job.stage_seq_len(stage_index)).total
+    schedule = GlobalLRSchedule(job.train, stage.tokens_per_batch)
+    flops = model_lib.flops_per_token(job.model, job.vocab_size, stage.seq_len).total
     metrics = MlflowMetrics(
-        job.mlflow, schedule, flops, stage.name, start, job.checkpoint_every_tokens, job.stage_tokens_per_batch(stage_index),
+        job.mlflow, schedule, flops, stage.name, stage.start, job.checkpoint_every_tokens, stage.tokens_per_batch,
         state_folder=Path(job.save_folder), run_name=job.run_name,
         # After a rollback the re-trained steps see other data: their metrics differ and are logged again.
         relog=bool(skip),
@@ -277,13 +278,13 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         # Before the saver: a bad step must never be checkpointed.
         LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver, job.vocab_size),
         metrics,
-        Progress(stage.name, stage_index, start, end),
+        Progress(stage.name, stage_index, stage.start, stage.end),
         Probe(),
         saver,
     ]
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
-    device_batch = job.stage_batch_size(stage_index) // world_size
+    device_batch = stage.batch_size // world_size
     if microbatch == "auto" and not on_gpu:
         microbatch = device_batch  # Composer's auto search works by catching CUDA OOMs
     elif microbatch != "auto":
@@ -293,14 +294,16 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=job.train.optim.grad_clip_norm))
     trainer = Trainer(
         model=model,
-        train_dataloader=build_stage_data(job, stage_index, world_size),
+        train_dataloader=build_stage_data(stage, job.train, world_size),
         # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
-        eval_dataloader=build_val_evaluators(job, world_size, checkpoint_due(job, stage_index, Event.BATCH_END)) or None,
-        optimizers=optimizer_for(hf_model, job),
-        max_duration=f"{end}tok",
+        eval_dataloader=build_val_evaluators(
+            job.val_streams, job.seq_len, job.train, world_size, checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END)
+        ) or None,
+        optimizers=optimizer_for(hf_model, job.train.optim),
+        max_duration=f"{stage.end}tok",
         device_train_microbatch_size=microbatch,
         precision=precision,
-        parallelism_config=fsdp_config(job, hf_model, world_size),
+        parallelism_config=fsdp_config(job.train.parallelism, hf_model, world_size),
         algorithms=algorithms,
         callbacks=callbacks,
         run_name=job.run_name,

@@ -8,6 +8,7 @@ reads only that file, so a pod never sees the rest of the recipe.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import (
@@ -242,6 +243,44 @@ def batch_alignment_error(train: TrainConfig, seq_len: int, every: int) -> tuple
     return None
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One curriculum stage of a job, every number resolved: the one place a stage's defaults are applied.
+
+    The saver, the data, the schedule's step, the repair and the rollback arithmetic all read these,
+    so a stage's batch size or seq_len cannot be resolved two ways.
+    """
+
+    index: int
+    config: StageConfig
+    start: int  # run tokens trained before this stage
+    end: int  # run tokens at this stage's end
+    batch_size: int  # sequences per optimizer step
+    seq_len: int  # tokens per sample
+    streams: dict[str, str]  # source name -> MDS directory packed at this seq_len
+    first_batch: int  # optimizer steps of the run before this stage
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def samples(self) -> int:
+        return self.tokens // self.seq_len
+
+    @property
+    def steps(self) -> int:
+        return self.tokens // self.tokens_per_batch
+
+
 class TrainJob(_Strict):
     """Everything one training job needs, resolved by the flow; the only input of trainers.train."""
 
@@ -281,28 +320,35 @@ class TrainJob(_Strict):
     @property
     def max_seq_len(self) -> int:
         """The longest sample any stage trains on: the model's position range."""
-        return max(self.stage_seq_len(k) for k in range(len(self.train.stages)))
+        return max(self.stage(k).seq_len for k in range(len(self.train.stages)))
 
-    def stage_batch_size(self, stage_index: int) -> int:
-        return self.train.stages[stage_index].global_batch_size or self.train.global_batch_size
-
-    def stage_seq_len(self, stage_index: int) -> int:
-        return self.train.stages[stage_index].seq_len or self.seq_len
-
-    def stage_streams(self, stage_index: int) -> dict[str, str]:
-        """Source name -> MDS directory holding samples of this stage's seq_len."""
-        seq_len = self.stage_seq_len(stage_index)
-        return self.streams if seq_len == self.seq_len else self.seq_len_streams.get(seq_len, {})
-
-    def stage_tokens_per_batch(self, stage_index: int) -> int:
-        return self.stage_batch_size(stage_index) * self.stage_seq_len(stage_index)
+    def stage(self, index: int) -> Stage:
+        """Stage `index` with every number resolved (raises IndexError outside the curriculum)."""
+        if not 0 <= index < len(self.train.stages):
+            raise IndexError(f"stage {index} is out of range, the job has {len(self.train.stages)} stage(s)")
+        start = first_batch = 0
+        for k, config in enumerate(self.train.stages[: index + 1]):  # each stage starts where the last ended
+            seq_len = config.seq_len or self.seq_len
+            stage = Stage(
+                index=k,
+                config=config,
+                start=start,
+                end=start + config.tokens,
+                batch_size=config.global_batch_size or self.train.global_batch_size,
+                seq_len=seq_len,
+                streams=self.streams if seq_len == self.seq_len else self.seq_len_streams.get(seq_len, {}),
+                first_batch=first_batch,
+            )
+            start, first_batch = stage.end, first_batch + stage.steps
+        return stage
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainJob:
-        for k, stage in enumerate(self.train.stages):
-            missing = sorted(set(stage.mixture) - set(self.stage_streams(k)))
+        for k in range(len(self.train.stages)):
+            stage = self.stage(k)
+            missing = sorted(set(stage.config.mixture) - set(stage.streams))
             if missing:
-                at = f" at seq_len {self.stage_seq_len(k)}" if self.stage_seq_len(k) != self.seq_len else ""
+                at = f" at seq_len {stage.seq_len}" if stage.seq_len != self.seq_len else ""
                 raise ValueError(f"stage {stage.name!r} mixes unknown sources{at}: {', '.join(missing)}")
         misaligned = batch_alignment_error(self.train, self.seq_len, self.checkpoint_every_tokens)
         if misaligned is not None:

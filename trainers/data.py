@@ -19,7 +19,7 @@ import torch
 from composer.core import DataSpec, Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 
-from trainers.config import CACHE_ENV, TrainJob
+from trainers.config import CACHE_ENV, Stage, TrainConfig
 
 __all__ = ["build_stage_data", "build_val_evaluators", "cache_dir_for"]
 
@@ -68,36 +68,32 @@ def cache_dir_for(uri: str) -> Path:
     return root / hashlib.sha1(uri.encode()).hexdigest()[:16]
 
 
-def _cache_limit(job: TrainJob, paths: list[str]) -> str | None:
+def _cache_limit(train: TrainConfig, paths: list[str]) -> str | None:
     """The recipe's bound on the local cache, only where something is remote: with a limit Streaming
     evicts shards from `local`, and for local data `local` is the prepared data itself."""
-    return job.train.stream_cache_limit if any("://" in p for p in paths) else None
+    return train.stream_cache_limit if any("://" in p for p in paths) else None
 
 
-def stage_samples(job: TrainJob, stage_index: int) -> int:
-    return job.train.stages[stage_index].tokens // job.stage_seq_len(stage_index)
-
-
-def build_stage_data(job: TrainJob, stage_index: int, world_size: int) -> DataSpec:
-    """The train DataSpec of stage `stage_index`, for one rank of `world_size`."""
-    stage = job.train.stages[stage_index]
-    batch = job.stage_batch_size(stage_index)
-    if batch % world_size:
-        raise ValueError(f"stage {stage.name!r}: global batch size {batch} is not divisible by the process count ({world_size})")
-    device_batch = batch // world_size
+def build_stage_data(stage: Stage, train: TrainConfig, world_size: int) -> DataSpec:
+    """The train DataSpec of one stage, for one rank of `world_size`."""
+    if stage.batch_size % world_size:
+        raise ValueError(
+            f"stage {stage.name!r}: global batch size {stage.batch_size} is not divisible by the process count ({world_size})"
+        )
+    device_batch = stage.batch_size // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
-    paths = job.stage_streams(stage_index)
-    streams = [_stream(paths[name], p) for name, p in sorted(stage.mixture.items())]
+    mixture = stage.config.mixture
+    streams = [_stream(stage.streams[name], p) for name, p in sorted(mixture.items())]
     dataset = TokenSamples(
-        seq_len=job.stage_seq_len(stage_index),
+        seq_len=stage.seq_len,
         streams=streams,
-        cache_limit=_cache_limit(job, [paths[name] for name in stage.mixture]),
-        epoch_size=stage_samples(job, stage_index),
+        cache_limit=_cache_limit(train, [stage.streams[name] for name in mixture]),
+        epoch_size=stage.samples,
         batch_size=device_batch,
         shuffle=True,
         # A distinct shuffle per stage, stable across relaunches.
-        shuffle_seed=job.train.seed + 1000 * stage_index,
-        num_canonical_nodes=job.train.data_canonical_nodes,
+        shuffle_seed=train.seed + 1000 * stage.index,
+        num_canonical_nodes=train.data_canonical_nodes,
     )
     loader = StreamingDataLoader(
         dataset,
@@ -116,26 +112,28 @@ def _spec(loader: StreamingDataLoader) -> DataSpec:
     return DataSpec(loader, get_num_tokens_in_batch=lambda batch: batch["input_ids"].numel())
 
 
-def build_val_evaluators(job: TrainJob, world_size: int, due) -> list[Evaluator]:
+def build_val_evaluators(
+    val_streams: dict[str, str], seq_len: int, train: TrainConfig, world_size: int, due
+) -> list[Evaluator]:
     """One Composer Evaluator per source with a held-out split: `val/<source>`, scored when `due(state, event)`.
 
     The first `train.val_batches` global batches of each split, in file order (no shuffle), so
     every checkpoint is scored on the same samples and the curves are comparable across stages.
     """
-    if not job.train.val_batches:
+    if not train.val_batches:
         return []
-    device_batch = max(1, job.train.global_batch_size // world_size)
+    device_batch = max(1, train.global_batch_size // world_size)
     evaluators = []
-    for name, path in sorted(job.val_streams.items()):
-        dataset = TokenSamples(seq_len=job.seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False,
-                               cache_limit=_cache_limit(job, [path]))
+    for name, path in sorted(val_streams.items()):
+        dataset = TokenSamples(seq_len=seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False,
+                               cache_limit=_cache_limit(train, [path]))
         loader = StreamingDataLoader(dataset, batch_size=device_batch, collate_fn=collate, num_workers=0)
         evaluators.append(
             Evaluator(
                 label=f"val/{name}",
                 dataloader=_spec(loader),
                 metric_names=["LanguageCrossEntropy"],
-                subset_num_batches=job.train.val_batches,
+                subset_num_batches=train.val_batches,
                 eval_interval=due,
             )
         )

@@ -1,7 +1,7 @@
 """A run's checkpoints in object storage (`train.save_folder: s3://...`), for pods whose disk dies with them.
 
-The trainer always works in a local folder with resume.py's layout, repair rules and Composer
-autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_name>/` in step with it:
+The trainer always works in a local folder with layout.py's names, plan.py's repair rules and
+Composer autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_name>/` in step with it:
 
 - after a checkpoint is published locally, its .pt is uploaded by a background thread (training
   does not wait), and only once that upload has finished is its manifest uploaded. The remote
@@ -27,8 +27,9 @@ from pathlib import Path
 
 from trainers import checkpoints
 from trainers.checkpoints import CheckpointInfo, is_intact
-from trainers.config import TrainJob, stage_bounds
+from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
+from trainers.layout import RunFolder, discard
 
 log = logging.getLogger("tessera.remote")
 
@@ -135,7 +136,7 @@ class RemoteFolder:
         # download_object writes a temp file and renames: a kill mid-download leaves no .pt behind.
         self.store.download_object(name, str(target), overwrite=True)
         if not is_intact(target):
-            target.unlink(missing_ok=True)
+            discard(target)
             raise RetryableError(f"train.save_folder: {self.uri}/{name} downloaded incomplete")
         local = info.model_copy(update={"path": str(target.resolve())})
         checkpoints.publish(folder, local)
@@ -176,12 +177,16 @@ class RemoteFolder:
             self._pending.pop(0)
             self.keep_last(keep)
 
+    def retire(self, info: CheckpointInfo) -> None:
+        """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py)."""
+        self._delete(_manifest_name(info.tokens))
+        self._delete(Path(info.path).name)
+
     def keep_last(self, keep: int | None) -> None:
         if keep is None:
             return
         for old in self.complete()[:-keep]:
-            self._delete(_manifest_name(old.tokens))  # the done-marker first, as locally
-            self._delete(Path(old.path).name)
+            self.retire(old)
 
     def close(self) -> None:
         if self._uploader is not None:
@@ -189,31 +194,32 @@ class RemoteFolder:
             self._uploader = None
 
 
-def reconcile(remote: RemoteFolder, job: TrainJob, stage_index: int, local: list[CheckpointInfo]) -> list[CheckpointInfo]:
+def reconcile(
+    remote: RemoteFolder, folder: RunFolder, keep: int | None, stage: Stage, local: list[CheckpointInfo]
+) -> list[CheckpointInfo]:
     """Bring local and remote into step before planning; returns the local complete checkpoints.
 
     Uploads local ones the remote lacks, then downloads the one this launch would start from
     (the stage's newest, or the previous stage's end) when only the remote has it.
     """
-    shutil.rmtree(Path(job.save_folder) / STAGING_DIR, ignore_errors=True)
+    shutil.rmtree(folder.path / STAGING_DIR, ignore_errors=True)
     remote_done = {c.tokens: c for c in remote.complete()}
     for info in local:
         if info.tokens not in remote_done:
             log.info("uploading %s, published before a kill interrupted its upload", Path(info.path).name)
             remote.upload_now(info)
-    remote.keep_last(job.train.keep_checkpoints)
+    remote.keep_last(keep)
     have = {c.tokens for c in local}
-    own_local = max((c.tokens for c in local if c.stage_index == stage_index), default=-1)
-    own_remote = [c for c in remote_done.values() if c.stage_index == stage_index and c.tokens > own_local]
+    own_local = max((c.tokens for c in local if c.stage_index == stage.index), default=-1)
+    own_remote = [c for c in remote_done.values() if c.stage_index == stage.index and c.tokens > own_local]
     if own_remote:
         wanted = max(own_remote, key=lambda c: c.tokens)
-    elif own_local < 0 and stage_index > 0:
-        prev_end = stage_bounds(job.train)[stage_index - 1][1]
-        wanted = remote_done.get(prev_end) if prev_end not in have else None
+    elif own_local < 0 and stage.index > 0:  # entering: the previous stage's end, where this one starts
+        wanted = remote_done.get(stage.start) if stage.start not in have else None
     else:
         wanted = None
     if wanted is not None and wanted.tokens not in have:
-        local = sorted([*local, remote.download(wanted, Path(job.save_folder))], key=lambda c: c.tokens)
+        local = sorted([*local, remote.download(wanted, folder.path)], key=lambda c: c.tokens)
     return local
 
 

@@ -19,20 +19,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 from trainers.config import TrainJob
 from trainers.exit_codes import ExitCode, LossAnomaly
+from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
 
 
-def rollbacks_path(job: TrainJob) -> Path:
-    return Path(job.save_folder) / f"{job.run_name}-rollbacks.json"
-
-
-def read_rollbacks(job: TrainJob) -> list[dict]:
-    path = rollbacks_path(job)
-    return json.loads(path.read_text()) if path.exists() else []
+def read_rollbacks(folder: RunFolder) -> list[dict]:
+    return json.loads(folder.rollbacks.read_text()) if folder.rollbacks.exists() else []
 
 
 def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
@@ -43,7 +38,8 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
         return None
     # Rank 0's record is the truth (other nodes may not see its folder): every rank takes its count.
     # The guard checks the rank-averaged loss, so all ranks raise at the same step and meet here.
-    records = read_rollbacks(job) if dist.get_global_rank() == 0 else []
+    folder = RunFolder.of(job)
+    records = read_rollbacks(folder) if dist.get_global_rank() == 0 else []
     count = [len(records)]
     if dist.get_world_size() > 1 and dist.is_initialized():
         dist.broadcast_object_list(count, src=0)
@@ -54,7 +50,7 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
             file=sys.stderr,
         )
         return ExitCode.FATAL
-    skip = exc.already_skipped + (exc.tokens - exc.resume_tokens) // job.stage_seq_len(exc.stage_index)
+    skip = exc.already_skipped + (exc.tokens - exc.resume_tokens) // job.stage(exc.stage_index).seq_len
     if dist.get_global_rank() == 0:
         records.append(
             {
@@ -65,12 +61,12 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
                 "reason": str(exc),
             }
         )
-        tmp = rollbacks_path(job).with_suffix(".tmp")
+        tmp = folder.rollbacks.with_suffix(".tmp")
         tmp.write_text(json.dumps(records, indent=1))
-        os.replace(tmp, rollbacks_path(job))
+        os.replace(tmp, folder.rollbacks)
         remote = RemoteFolder.for_job(job)
         if remote is not None:  # the relaunch may land on another node
-            remote.push_file(rollbacks_path(job))
+            remote.push_file(folder.rollbacks)
     print(
         f"tessera.train: {exc}; rolling back to the checkpoint at {exc.resume_tokens} tokens and skipping "
         f"{skip} samples on relaunch",
@@ -79,11 +75,11 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
     return ExitCode.RETRYABLE
 
 
-def pending_skip(job: TrainJob, stage_index: int, resume_tokens: int) -> int:
+def pending_skip(folder: RunFolder, stage_index: int, resume_tokens: int) -> int:
     """Samples to skip when starting stage `stage_index` from the checkpoint at `resume_tokens`."""
     skips = [
         r["skip_samples"]
-        for r in read_rollbacks(job)
+        for r in read_rollbacks(folder)
         if r["stage_index"] == stage_index and r["resume_tokens"] == resume_tokens
     ]
     return max(skips, default=0)

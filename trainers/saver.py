@@ -2,7 +2,8 @@
 
 Composer's CheckpointSaver writes the file; this one publishes its manifest (the done-marker,
 trainers/checkpoints.py), then moves the stage's latest symlink, then hands the file to the s3://
-mirror, then rotates. The layout and the repair a launch does first are in trainers/resume.py.
+mirror, then rotates. The names and the removal of old files are trainers/layout.py's; the repair
+a launch does first is trainers/plan.py's.
 """
 
 from __future__ import annotations
@@ -17,22 +18,20 @@ from composer.utils import dist
 
 from trainers import checkpoints
 from trainers.checkpoints import CheckpointInfo
-from trainers.config import TrainJob, stage_bounds
+from trainers.config import Stage, TrainJob
 from trainers.faults import maybe_fault
+from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
-from trainers.resume import atomic_symlink, checkpoint_name, latest_name, own_file
 
 
-def checkpoint_due(job: TrainJob, stage_index: int, event_wanted: Event):
+def checkpoint_due(every: int, stage: Stage, event_wanted: Event):
     """`(state, event) -> bool`: true at `event_wanted` of every step that is checkpointed.
 
-    A step is checkpointed when it crosses a multiple of checkpoint_every_tokens ("crossed" rather
+    A step is checkpointed when it crosses a multiple of `every` tokens ("crossed" rather
     than "is a multiple": with per-stage batch sizes a stage's steps need not land on the
     multiples themselves) and at the stage's end. Validation runs on the same steps.
     """
-    every = job.checkpoint_every_tokens
-    step = job.stage_tokens_per_batch(stage_index)
-    stage_end = stage_bounds(job.train)[stage_index][1]
+    step, stage_end = stage.tokens_per_batch, stage.end
 
     def due(state: State, event: Event) -> bool:
         tokens = int(state.timestamp.token.value)
@@ -49,18 +48,19 @@ class PublishingCheckpointSaver(CheckpointSaver):
     """
 
     def __init__(self, job: TrainJob, stage_index: int):
-        self.job = job
-        self.stage_index = stage_index
+        self.run_folder = RunFolder.of(job)  # not self.folder: Composer keeps its folder string there
+        self.run_stage = job.stage(stage_index)
+        self.keep_last_k = job.train.keep_checkpoints
         self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
         self.last_saved_tokens: int | None = None
-        due = checkpoint_due(job, stage_index, Event.BATCH_CHECKPOINT)
+        due = checkpoint_due(job.checkpoint_every_tokens, self.run_stage, Event.BATCH_CHECKPOINT)
         super().__init__(
-            folder=job.save_folder,
-            filename=checkpoint_name(job, stage_index),
+            folder=str(self.run_folder.path),
+            filename=self.run_folder.checkpoint_template(stage_index),
             remote_file_name=None,
-            latest_filename=latest_name(job, stage_index),
+            latest_filename=self.run_folder.latest_template(stage_index),
             # Unused without remote_file_name, but Composer's autoresume asserts it is set.
-            latest_remote_file_name=latest_name(job, stage_index),
+            latest_remote_file_name=self.run_folder.latest_template(stage_index),
             save_interval=due,
             overwrite=True,  # a file left by a killed save is replaced; plan_start already removed it
             num_checkpoints_to_keep=-1,  # rotation is by manifest below; Composer's list forgets across relaunches
@@ -82,37 +82,27 @@ class PublishingCheckpointSaver(CheckpointSaver):
             path=str(path),
             tokens=tokens,
             batch=int(state.timestamp.batch.value),
-            stage=self.job.train.stages[self.stage_index].name,
-            stage_index=self.stage_index,
+            stage=self.run_stage.name,
+            stage_index=self.run_stage.index,
         )
-        checkpoints.publish(self.job.save_folder, info)
-        atomic_symlink(path, Path(self.job.save_folder) / latest_name(self.job, self.stage_index).format(rank=0))
+        checkpoints.publish(self.run_folder.path, info)
+        self.run_folder.point_latest(self.run_stage.index, path)
         maybe_fault("published", tokens)
         if self.remote is not None:
             self.remote.upload_async(info)
-        self._keep_last()
+        self.run_folder.keep_last(self.keep_last_k)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         super().batch_end(state, logger)
         if self.remote is not None:
-            self.remote.poll(self.job.train.keep_checkpoints)
+            self.remote.poll(self.keep_last_k)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         super().fit_end(state, logger)
         if self.remote is not None:  # the stage is done only when its checkpoints are up
-            self.remote.poll(self.job.train.keep_checkpoints, block=True)
+            self.remote.poll(self.keep_last_k, block=True)
 
     def post_close(self) -> None:
         super().post_close()
         if self.remote is not None:
             self.remote.close()
-
-    def _keep_last(self) -> None:
-        keep = self.job.train.keep_checkpoints
-        if keep is None:
-            return
-        complete = [c for c in checkpoints.list_complete(self.job.save_folder) if own_file(self.job, Path(c.path).name)]
-        for old in complete[:-keep]:
-            # Manifest first: a watcher must never see a manifest whose file is gone mid-read.
-            checkpoints.manifest_path(self.job.save_folder, old.tokens).unlink(missing_ok=True)
-            Path(old.path).unlink(missing_ok=True)
