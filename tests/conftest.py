@@ -137,6 +137,31 @@ def answers(url: str) -> bool:
 
 
 @dataclass
+class TensorOps:
+    """The aten ops run on real (not meta) tensors inside the block: what work touched memory."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(isinstance(a, torch.Tensor) and a.device.type != "meta" for a in args):
+                    ops.add(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
 class LiveStack:
     """A running `tessera up`: where it serves, its process, and helpers that know its process layout.
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from trainers.model import parameters_on_meta
+
 
 def load_hf(ckpt_path: str | Path):
     """(model, tokenizer) from one Composer HuggingFaceModel checkpoint; tokenizer is None if none was embedded.
@@ -22,11 +24,14 @@ def load_hf(ckpt_path: str | Path):
     hf_state = checkpoint["state"]["integrations"]["huggingface"]
     with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
         tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
-    # Builds the class named in the embedded HF config, without weights.
-    model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, checkpoint, None, {})
-    # Composer keys the wrapped module as `model.<hf key>`.
+    # The class named in the embedded HF config, its parameters on the meta device: no init, no memory.
+    with parameters_on_meta():
+        model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, checkpoint, None, {})
+    # Composer keys the wrapped module as `model.<hf key>`. assign=True makes the memory-mapped tensors
+    # the parameters themselves, so the weights are in memory once (as file pages), not copied.
     weights = {k.removeprefix("model."): v for k, v in checkpoint["state"]["model"].items()}
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.tie_weights()  # assign gave the two tied names two tensors (over one storage): one Parameter again
     return model.eval(), tokenizer
 
 
