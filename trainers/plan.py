@@ -61,7 +61,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     ledger.check(folder, job.train.stages)
 
     good: list[CheckpointInfo] = []
-    for info in _repaired(job, folder):
+    for info in _repaired(folder, [job.stage(k) for k in range(len(job.train.stages))]):
         if is_intact(info.path):
             good.append(info)
         else:
@@ -92,7 +92,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     return StartPlan("enter", ends[-1].path, stage.start, ends[-1].model_dump())
 
 
-def _repaired(job: TrainJob, folder: RunFolder) -> list[CheckpointInfo]:
+def _repaired(folder: RunFolder, stages: list[Stage]) -> list[CheckpointInfo]:
     """This run's published checkpoints, oldest first, after dealing with the files that have no manifest.
 
     A .pt without a manifest was cut short by a kill (discarded: the relaunch re-trains and re-saves
@@ -107,7 +107,7 @@ def _repaired(job: TrainJob, folder: RunFolder) -> list[CheckpointInfo]:
         if not is_intact(path) or checkpoints.damage(path) is not None:
             discard(path)
             continue
-        info = _rederived(job, stage_index, tokens, path)
+        info = _rederived(stages[stage_index], tokens, path) if stage_index < len(stages) else None
         if info is None:  # not a step of this curriculum: kept out of the way, not deleted
             folder.set_aside(path)
             continue
@@ -117,17 +117,14 @@ def _repaired(job: TrainJob, folder: RunFolder) -> list[CheckpointInfo]:
     return sorted(complete, key=lambda c: c.tokens)
 
 
-def _rederived(job: TrainJob, stage_index: int, tokens: int, path: Path) -> CheckpointInfo | None:
+def _rederived(stage: Stage, tokens: int, path: Path) -> CheckpointInfo | None:
     """The manifest a complete checkpoint named `<run>-s<K>-tok<T>` had: its step count follows from the
     curriculum's batch sizes. None if no step of stage K ends at T tokens."""
-    if not 0 <= stage_index < len(job.train.stages):
-        return None
-    stage: Stage = job.stage(stage_index)
     into = tokens - stage.start
     if not 0 < into <= stage.tokens or into % stage.tokens_per_batch:
         return None
     return CheckpointInfo(path=str(path.resolve()), tokens=tokens, batch=stage.first_batch + into // stage.tokens_per_batch,
-                          stage=stage.name, stage_index=stage_index)  # fmt: skip
+                          stage=stage.name, stage_index=stage.index)  # fmt: skip
 
 
 def _verified_newest(folder: RunFolder, stage_index: int, good: list[CheckpointInfo]) -> list[CheckpointInfo]:
