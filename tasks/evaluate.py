@@ -69,7 +69,7 @@ def evaluate_checkpoint(
     from evaluation.identity import gauntlet_hash
 
     logger = get_run_logger()
-    why = damage(checkpoint.path)
+    why = damage(checkpoint.path, checkpoint.sha256)
     if why is not None:  # a bad byte would score (and then register) a model that was never trained
         raise GauntletError(f"{checkpoint.path}: damaged checkpoint, not evaluated: {why}")
     loaded = load_model(checkpoint.path)

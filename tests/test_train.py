@@ -238,6 +238,24 @@ def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_pa
     assert synced[-1] == (str(target.parent), True)
 
 
+def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(tmp_path):
+    import hashlib
+
+    import torch
+
+    from trainers.checkpoints import CheckpointInfo, damage, list_complete, publish
+
+    mine, other = tmp_path / "tiny-s0-tok1024-rank0.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.zeros(64)}, mine)
+    torch.save({"w": torch.ones(64)}, other)
+    published = publish(tmp_path, CheckpointInfo(path=str(mine), tokens=1024, batch=1, stage="warm", stage_index=0))
+    assert published.sha256 == hashlib.sha256(mine.read_bytes()).hexdigest() == list_complete(tmp_path)[0].sha256
+    assert damage(mine, published.sha256) is None
+    mine.write_bytes(other.read_bytes())  # a complete, valid checkpoint: just not the one published
+    assert damage(mine) is None  # every zip CRC is right
+    assert damage(mine, published.sha256).startswith("SHA-256 ")
+
+
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
     from trainers.checkpoints import CheckpointInfo, list_complete, publish
     from trainers.saver import PublishingCheckpointSaver

@@ -8,6 +8,7 @@ done-marker: a `.pt` without one is treated as incomplete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -27,6 +28,11 @@ class CheckpointInfo(BaseModel):
     batch: int = Field(..., description="Optimizer steps since the start of the run.")
     stage: str = Field(..., description="Name of the curriculum stage that produced it.")
     stage_index: int = Field(..., description="0-based index of that stage.")
+    sha256: str | None = Field(
+        None,
+        description="SHA-256 of the file, taken when it was published; what resuming and evaluating verify. "
+        "Null only in manifests written before it was recorded (their files are checked by zip CRCs).",
+    )
 
 
 def manifest_path(save_folder: str | Path, tokens: int) -> Path:
@@ -41,13 +47,22 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def publish(save_folder: str | Path, info: CheckpointInfo) -> Path:
-    """Write the manifest for a checkpoint that is already complete on disk.
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
-    The checkpoint's bytes and its directory entry reach the disk before the manifest names it,
-    and the manifest's rename before this returns: after a power loss or a node crash a manifest
-    never describes a file the page cache had not yet written.
+
+def publish(save_folder: str | Path, info: CheckpointInfo) -> CheckpointInfo:
+    """Write the manifest for a checkpoint that is already complete on disk; returns what it says.
+
+    The file's SHA-256 goes into the manifest unless `info` carries one already (a download keeps
+    the one taken where the checkpoint was saved). The checkpoint's bytes and its directory entry
+    reach the disk before the manifest names it, and the manifest's rename before this returns:
+    after a power loss or a node crash a manifest never describes a file the page cache had not
+    yet written.
     """
+    if info.sha256 is None:  # the file was just written: read back from the page cache
+        info = info.model_copy(update={"sha256": file_sha256(info.path)})
     _fsync_path(Path(info.path))
     _fsync_path(Path(info.path).parent)
     target = manifest_path(save_folder, info.tokens)
@@ -59,7 +74,7 @@ def publish(save_folder: str | Path, info: CheckpointInfo) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, target)
     _fsync_path(target.parent)
-    return target
+    return info
 
 
 def list_complete(save_folder: str | Path) -> list[CheckpointInfo]:
@@ -92,14 +107,22 @@ def is_intact(path: str | Path) -> bool:
         return False
 
 
-def damage(path: str | Path) -> str | None:
+def damage(path: str | Path, sha256: str | None = None) -> str | None:
     """What is wrong with a checkpoint file, or None if every byte is as written.
 
-    torch.load does not check the CRC-32 that torch.save records for each member of its zip, so a
-    flipped byte in a tensor loads silently (a loss of 3e8 after resuming) and one in the pickle
-    fails on every relaunch. This reads the whole file once and checks them all: a cost of the same
+    torch.load checks nothing: a flipped byte in a tensor loads silently (a loss of 3e8 after
+    resuming) and one in the pickle fails on every relaunch. With the manifest's SHA-256 the whole
+    file is hashed and compared, which also catches a file replaced by another valid checkpoint;
+    without one (a file with no manifest yet, an old manifest) the CRC-32 that torch.save records
+    for each member of its zip is checked. Either way the file is read once: a cost of the same
     order as the load that follows, which then reads from the page cache.
     """
+    if sha256 is not None:
+        try:
+            actual = file_sha256(path)
+        except OSError as exc:
+            return f"unreadable ({type(exc).__name__}: {exc})"
+        return None if actual == sha256 else f"SHA-256 {actual[:12]}... is not the {sha256[:12]}... published"
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()

@@ -111,8 +111,7 @@ def _repaired(folder: RunFolder, stages: list[Stage]) -> list[CheckpointInfo]:
         if info is None:  # not a step of this curriculum: kept out of the way, not deleted
             folder.set_aside(path)
             continue
-        checkpoints.publish(folder.path, info)
-        complete.append(info)
+        complete.append(checkpoints.publish(folder.path, info))
         log.warning("checkpoint %s had no manifest but verifies: manifest re-derived", path)
     return sorted(complete, key=lambda c: c.tokens)
 
@@ -137,7 +136,7 @@ def _verified_newest(folder: RunFolder, stage_index: int, good: list[CheckpointI
         if not candidates:
             return good
         newest = max(candidates, key=lambda c: c.tokens)
-        why = checkpoints.damage(newest.path)
+        why = checkpoints.damage(newest.path, newest.sha256)
         if why is None:
             return good
         folder.withdraw(newest, why)

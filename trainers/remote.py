@@ -138,9 +138,8 @@ class RemoteFolder:
         if not is_intact(target):
             discard(target)
             raise RetryableError(f"train.save_folder: {self.uri}/{name} downloaded incomplete")
-        local = info.model_copy(update={"path": str(target.resolve())})
-        checkpoints.publish(folder, local)
-        return local
+        # The manifest keeps the SHA-256 taken where it was saved: the plan verifies the copy against it.
+        return checkpoints.publish(folder, info.model_copy(update={"path": str(target.resolve())}))
 
     def upload_async(self, info: CheckpointInfo) -> None:
         """Start uploading a just-published checkpoint; poll() uploads its manifest once the .pt is up.

@@ -85,7 +85,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
             stage=self.run_stage.name,
             stage_index=self.run_stage.index,
         )
-        checkpoints.publish(self.run_folder.path, info)
+        info = checkpoints.publish(self.run_folder.path, info)
         self.run_folder.point_latest(self.run_stage.index, path)
         maybe_fault("published", tokens)
         if self.remote is not None:
