@@ -25,6 +25,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# One intra-op thread per process (inherited by every trainer, flow and server a test starts): the
+# suite runs two xdist workers on two cores, so more threads only oversubscribe the cores, and
+# OpenMP threads spin while they wait. The tiny test models gain nothing from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
