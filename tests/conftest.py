@@ -29,6 +29,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # suite runs two xdist workers on two cores, so more threads only oversubscribe the cores, and
 # OpenMP threads spin while they wait. The tiny test models gain nothing from a second thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Importing torch._inductor.async_compile (something in an in-process Composer fit does) starts a pool
+# of three compile workers that each import torch: seconds of CPU per test process, for torch.compile,
+# which nothing here uses.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
 
 
 @pytest.fixture(scope="session")
