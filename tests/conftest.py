@@ -144,7 +144,6 @@ def answers(url: str) -> bool:
         return False
 
 
-@dataclass
 class TensorOps:
     """The aten ops run on real (not meta) tensors inside the block: what work touched memory."""
 
@@ -170,6 +169,7 @@ class TensorOps:
         return self.mode.__exit__(*exc)
 
 
+@dataclass
 class LiveStack:
     """A running `tessera up`: where it serves, its process, and helpers that know its process layout.
 
