@@ -157,3 +157,54 @@ def test_shared_prefix_pass_equals_full_rows_on_a_real_llama():
         shared_ce, shared_hit = score_rows_shared(model, items, tok.pad_token_id, torch.device("cpu"))
         assert torch.allclose(full_ce, shared_ce, atol=1e-5)
         assert torch.equal(full_hit, shared_hit)
+
+
+def test_scores_equal_full_logits_and_each_shared_state_is_projected_once():
+    """The gauntlet projects one hidden state per distinct token prefix; scores must equal full-logits log_softmax."""
+    import transformers
+
+    from evaluation.prompts import ChoiceItem
+    from evaluation.scoring import score_rows_shared
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    ).eval()
+    # Choices 0 and 1 share their first continuation token, so both of their tokens are predicted
+    # from states they share with another row: 2 distinct states for 5 tokens in each item.
+    items = [
+        ChoiceItem([[*ctx, 9, 10], [*ctx, 9, 11], [*ctx, 12]], [2, 2, 1], gold=0, prefix=len(ctx))
+        for ctx in ([5, 6, 7, 8], [13, 14, 15, 16, 17, 18])
+    ]
+    rows = [r for it in items for r in it.rows]
+    ids, mask = collate_rows(rows, pad_id=0)
+    lengths = torch.tensor([len(r) for r in rows])
+    cont = torch.tensor([c for it in items for c in it.cont_lens])
+
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)
+    ref_ce, ref_hit = [], []
+    for r, c in zip(rows, cont.tolist()):
+        k = len(r)
+        picked = logp[rows.index(r), k - c - 1 : k - 1]  # positions predicting the continuation
+        target = torch.tensor(r[k - c :])
+        ref_ce.append(-picked[torch.arange(c), target].mean())
+        ref_hit.append(bool((picked.argmax(-1) == target).all()))
+
+    projected = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: projected.append(args[0].shape[-2]))
+    try:
+        for score in (
+            lambda: score_rows(model, ids, mask, lengths, cont),
+            lambda: score_rows_shared(model, items, 0, torch.device("cpu")),
+        ):
+            scored = score()
+            assert torch.allclose(scored[0], torch.stack(ref_ce), rtol=0, atol=1e-6)
+            assert scored[1].tolist() == ref_hit
+            assert sum(projected) == 2 * len(items)
+            projected.clear()
+        ce, hits = score_rows(model, ids, mask, lengths, cont, greedy=False)  # multiple choice needs no argmax
+        assert hits is None and torch.allclose(ce, torch.stack(ref_ce), rtol=0, atol=1e-6)
+    finally:
+        hook.remove()
