@@ -144,6 +144,24 @@ def answers(url: str) -> bool:
         return False
 
 
+def prefect_api(method: str, url: str, **kw):
+    """One request to a Prefect server, retried on 503 as Prefect's own client does.
+
+    The server answers 503 when its sqlite database is briefly locked (it maps retryable database
+    errors to 503, and its client retries them up to PREFECT_CLIENT_MAX_RETRIES times); a test that
+    speaks raw HTTP must do the same or it fails on a busy machine where the product would not.
+    """
+    import httpx
+
+    for attempt in range(6):
+        response = httpx.request(method, url, timeout=30, **kw)
+        if response.status_code != 503:
+            break
+        time.sleep(0.5 * 2**attempt)
+    response.raise_for_status()
+    return response
+
+
 class TensorOps:
     """The aten ops run on real (not meta) tensors inside the block: what work touched memory."""
 

@@ -20,7 +20,7 @@ from flows.evaluate import EvalParams
 from flows.pipeline import PipelineParams
 from flows.prepare import PrepareParams
 from flows.recipe import load_recipe
-from tests.conftest import ROOT, answers, free_port, start_tessera_up, stop_tree, tiny_recipe
+from tests.conftest import ROOT, answers, free_port, prefect_api, start_tessera_up, stop_tree, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,8 @@ def deployment(api: str, name: str) -> dict:
 
 
 def run_deployment(api: str, name: str, params: dict) -> str:
-    response = httpx.post(f"{api}/deployments/{deployment(api, name)['id']}/create_flow_run",
-                          json={"parameters": {"params": params}}, timeout=10)  # fmt: skip
-    response.raise_for_status()
+    response = prefect_api("POST", f"{api}/deployments/{deployment(api, name)['id']}/create_flow_run",
+                           json={"parameters": {"params": params}})  # fmt: skip
     return response.json()["id"]
 
 

@@ -17,6 +17,8 @@ import httpx
 import pytest
 import torch
 
+from tests.conftest import prefect_api
+
 pytestmark = pytest.mark.slow
 
 DEPLOYMENT = "pretrain_pipeline/pretrain"
@@ -27,8 +29,7 @@ SHORT = {"stage_tokens": {"literary": 24576, "stories": 8192}, "eval_every": 819
 
 
 def _api(stack, method: str, path: str, **kw):
-    response = httpx.request(method, f"{stack.api_url}{path}", timeout=30, **kw)
-    response.raise_for_status()
+    response = prefect_api(method, f"{stack.api_url}{path}", **kw)
     return response.json() if response.content else None
 
 
