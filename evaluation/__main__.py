@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", default="", help="Curriculum stage that produced the checkpoint (for the title).")
     p.add_argument("--timestamp-ms", type=int, default=None,
                    help="Timestamp of every metric point; the same value on a retry adds no duplicate points.")
+    p.add_argument("--sha256", default=None,
+                   help="SHA-256 the trainer published for a Composer checkpoint (its manifest). A mismatch, or "
+                   "without it a zip CRC mismatch, refuses the checkpoint (exit 78): a flipped byte loads silently.")
     p.add_argument("--package-to", default=None,
                    help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
                    "for registration by reference.")
@@ -63,6 +66,18 @@ def _local_checkpoint(spec: str, into: Path) -> str:
     return str(local)
 
 
+def _verified(path: str, args: argparse.Namespace) -> str:
+    """The checkpoint as downloaded, if it is every byte the trainer published: the same check as in-process."""
+    from evaluation.errors import GauntletError
+    from trainers.checkpoints import damage
+
+    if Path(path).is_file():  # a Composer checkpoint; an HF dir or models:/ URI has no manifest to check against
+        why = damage(path, args.sha256)
+        if why is not None:
+            raise GauntletError(f"{args.checkpoint}: damaged checkpoint, not evaluated: {why}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from evaluation.config import EvalConfig
@@ -77,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
-            loaded = load_model(_local_checkpoint(args.checkpoint, Path(tmp)), args.tracking_uri)
+            loaded = load_model(_verified(_local_checkpoint(args.checkpoint, Path(tmp)), args), args.tracking_uri)
             model = loaded.model
             import torch
 

@@ -104,6 +104,23 @@ def evaluate_checkpoint(
 EVAL_PODS_LIMIT = "tessera-eval-pods"  # Prefect global concurrency limit: evaluation pods running at once
 
 
+def pod_args(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str,
+             max_seq_len: int) -> list[str]:  # fmt: skip
+    """`python -m evaluation`'s arguments for one checkpoint: what the in-process task would do, in a pod."""
+    args = ["--checkpoint", checkpoint.path, "--tasks", cfg.tasks, "--data-root", cfg.data_root,
+            "--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed), "--context-len", str(max_seq_len),
+            "--tracking-uri", resolved_uri(tracking.tracking_uri), "--run-id", run_id,
+            "--step", str(checkpoint.tokens), "--stage", checkpoint.stage,
+            "--timestamp-ms", str(int(time.time() * 1000)),
+            # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
+            "--package-to", model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens)]  # fmt: skip
+    args += ["--sha256", checkpoint.sha256] if checkpoint.sha256 else []
+    args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
+    args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
+    args += ["--strict"] if cfg.strict else []
+    return args
+
+
 def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str,
                      max_seq_len: int, run_name: str, compute: ComputeConfig) -> EvalSummary:  # fmt: skip
     """The gauntlet in its own pod, through the training launcher; the pod logs to MLflow, this reads its summary."""
@@ -117,16 +134,7 @@ def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: Trac
     from infra import backend_for
 
     logger = get_run_logger()
-    args = ["--checkpoint", checkpoint.path, "--tasks", cfg.tasks, "--data-root", cfg.data_root,
-            "--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed), "--context-len", str(max_seq_len),
-            "--tracking-uri", resolved_uri(tracking.tracking_uri), "--run-id", run_id,
-            "--step", str(checkpoint.tokens), "--stage", checkpoint.stage,
-            "--timestamp-ms", str(int(time.time() * 1000)),
-            # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
-            "--package-to", model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens)]  # fmt: skip
-    args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
-    args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
-    args += ["--strict"] if cfg.strict else []
+    args = pod_args(checkpoint, cfg, tracking, run_id, max_seq_len)
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(EVAL_PODS_LIMIT, compute.kubernetes.eval_concurrency)
     log_dir = Path(tempfile.gettempdir()) / "tessera-eval" / (run_name or run_id)

@@ -133,6 +133,43 @@ def test_a_damaged_checkpoint_is_not_scored(prefect_harness, mlflow_run, mlflow_
         one()
 
 
+def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(composer_checkpoint, small_gauntlet, tmp_path,
+                                                                    capsys):  # fmt: skip
+    """With the kubernetes backend the gauntlet runs in `python -m evaluation`; it checks the manifest's SHA-256
+    (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
+    from evaluation.__main__ import EXIT_BAD_INPUT, _verified, main, parse_args
+    from tasks.evaluate import pod_args
+    from trainers.checkpoints import file_sha256
+
+    path, _, _ = composer_checkpoint
+    published = file_sha256(path)
+    info = CheckpointInfo(path=str(path), tokens=4096, batch=1, stage="s0", stage_index=0, sha256=published)
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", registered_model="m")
+    args = pod_args(info, small_gauntlet, tracking, "run", 128)
+    assert parse_args(args).sha256 == published  # the flow hands the pod the manifest's hash
+    assert _verified(str(path), parse_args(args)) == str(path)
+
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(data))
+    common = ["--tasks", small_gauntlet.tasks, "--data-root", small_gauntlet.data_root, "--tracking-uri",
+              tracking.tracking_uri, "--run-id", "run", "--step", "4096"]  # fmt: skip
+    assert main(["--checkpoint", str(damaged), *common]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err.startswith(
+        f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: CRC-32 mismatch in "
+    )
+    assert main(["--checkpoint", str(damaged), "--sha256", published, *common]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: SHA-256 "), err
+    assert err.rstrip().endswith(f"is not the {published[:12]}... published")
+    # a valid checkpoint that is not the one published (its CRCs pass): refused by the hash alone
+    assert main(["--checkpoint", str(path), "--sha256", "0" * 64, *common]) == EXIT_BAD_INPUT
+    assert "not evaluated: SHA-256 " in capsys.readouterr().err
+    assert not (tmp_path / "m.db").exists()  # refused before anything was logged
+
+
 def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint,
                                                         small_gauntlet):  # fmt: skip
     from prefect import flow
