@@ -95,7 +95,7 @@ class _CheckpointWatcher:
         self.remote_folder, self.version_tags = remote_folder, version_tags or {}
         self.pins = run_dir / "pins"
         # Pins a crashed flow left: what is still in the save folder is pinned again as it is found.
-        stale = pins.drop_stale(self.pins, keep=set())
+        stale = pins.drop_stale(self.pins)
         if stale:
             get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
         self.backlog: pins.Backlog[tuple[CheckpointInfo, CheckpointInfo]] = pins.Backlog()  # (checkpoint, pinned)

@@ -59,11 +59,12 @@ def unpin(pinned: Path) -> None:
     pinned.unlink(missing_ok=True)
 
 
-def drop_stale(pins: Path, keep: set[str]) -> list[str]:
-    """Pins a crashed flow left behind (not in `keep`), deleted; their names."""
+def drop_stale(pins: Path) -> list[str]:
+    """Every pin in the folder, deleted; their names. Called as a flow starts, when any pin there is a
+    crashed flow's: one flow runs per run name (tasks/exclusive.py), so no live flow holds one."""
     if not pins.is_dir():
         return []
-    stale = sorted(p.name for p in pins.iterdir() if p.name not in keep)
+    stale = sorted(p.name for p in pins.iterdir())
     for name in stale:
         (pins / name).unlink(missing_ok=True)
     return stale
