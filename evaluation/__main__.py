@@ -68,13 +68,10 @@ def _local_checkpoint(spec: str, into: Path) -> str:
 
 def _verified(path: str, args: argparse.Namespace) -> str:
     """The checkpoint as downloaded, if it is every byte the trainer published: the same check as in-process."""
-    from evaluation.errors import GauntletError
-    from trainers.checkpoints import damage
+    from evaluation.models import check_checkpoint
 
     if Path(path).is_file():  # a Composer checkpoint; an HF dir or models:/ URI has no manifest to check against
-        why = damage(path, args.sha256)
-        if why is not None:
-            raise GauntletError(f"{args.checkpoint}: damaged checkpoint, not evaluated: {why}")
+        check_checkpoint(path, args.sha256, shown=args.checkpoint)
     return path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.errors import GauntletError
+from trainers.checkpoints import damage
 from trainers.mlflow_model import download_model
 
 _SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
@@ -95,6 +96,18 @@ def _from_mlflow_model(path: Path, source: str) -> LoadedModel:
         raise GauntletError(f"{source}: cannot load the MLflow transformers model: {str(exc).splitlines()[0]}") from exc
     model = parts["model"].eval()
     return LoadedModel(model, parts["tokenizer"], model_max_seq_len(model), source)
+
+
+def check_checkpoint(path: str, sha256: str | None, shown: str | None = None) -> None:
+    """Refuse a Composer checkpoint file that is not every byte the trainer published.
+
+    torch.load checks nothing, so a flipped byte would be scored (and then registered). With the
+    manifest's SHA-256 the whole file is compared; without one, its zip CRCs. `shown` names the
+    file in the error when it was downloaded from elsewhere.
+    """
+    why = damage(path, sha256)
+    if why is not None:
+        raise GauntletError(f"{shown or path}: damaged checkpoint, not evaluated: {why}")
 
 
 def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:

@@ -21,7 +21,7 @@ from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless
 from tasks.tracking import resolved_uri, retrying
 from tasks.tracking_config import TrackingConfig
-from trainers.checkpoints import CheckpointInfo, damage
+from trainers.checkpoints import CheckpointInfo
 from trainers.mlflow_model import model_uri_for
 
 
@@ -62,16 +62,14 @@ def evaluate_checkpoint(
 ) -> EvalSummary:
     if compute is not None and compute.backend == "kubernetes":
         return _evaluate_in_pod(checkpoint, cfg, tracking, run_id, max_seq_len, run_name, compute)
-    from evaluation.models import load_model
+    from evaluation.models import check_checkpoint, load_model
     from evaluation.runner import run_gauntlet
     from evaluation.tracking import log_report
 
     from evaluation.identity import gauntlet_hash
 
     logger = get_run_logger()
-    why = damage(checkpoint.path, checkpoint.sha256)
-    if why is not None:  # a bad byte would score (and then register) a model that was never trained
-        raise GauntletError(f"{checkpoint.path}: damaged checkpoint, not evaluated: {why}")
+    check_checkpoint(checkpoint.path, checkpoint.sha256)
     loaded = load_model(checkpoint.path)
     report = run_gauntlet(loaded.model, loaded.tokenizer, cfg, max_seq_len)
     title = f"Gauntlet at {checkpoint.tokens:,} tokens (stage {checkpoint.stage})"
