@@ -31,6 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
+from evaluation.testing import cut_demo_tasks  # noqa: E402
+
+# A child's own peak RSS, printed as its last line. VmHWM, not ru_maxrss: Linux carries ru_maxrss
+# across execve, so a child of this process (which has just trained the 125M model) would report
+# this process's peak, whatever it loads itself.
+HWM = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))"
+
 LOAD = {
     "full": "import torch; s = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
             "from trainers.export import load_hf; import trainers.export as e; "
@@ -67,10 +74,7 @@ def _write_checkpoint(folder: Path, preset: str) -> tuple[Path, int]:
 
 
 def _peak_mb(kind: str, path: Path) -> float:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so a child of this process (which
-    # has just trained the 125M model) would report this process's peak, whatever it loads itself.
-    hwm = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))"
-    code = f"import re, sys; {LOAD[kind]}; print({hwm})"
+    code = f"import re, sys; {LOAD[kind]}; print({HWM})"
     out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1]) / 1024  # kB
 
@@ -109,19 +113,7 @@ def both():
 with prefect_test_harness(server_startup_timeout=120):
     registration = both()
 assert registration.version == 1, registration
-print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)))
-"""
-
-
-def _small_gauntlet(root: Path) -> Path:
-    """The demo's task files cut to their first 12 records: the load and export dominate, not the scoring."""
-    source = ROOT / "data" / "gauntlet" / "eval" / "local_data"
-    for rel in ("language_understanding/lambada_openai_small.jsonl", "commonsense_reasoning/copa.jsonl",
-                "language_understanding/winograd_wsc.jsonl"):  # fmt: skip
-        dest = root / "eval" / "local_data" / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text("\n".join((source / rel).read_text().split("\n")[:12]) + "\n")
-    return root
+""" + f"print({HWM})\n"
 
 
 def _task_peak_mb(tree: Path, path: Path, data_root: Path, work: Path) -> float:
@@ -143,7 +135,8 @@ def main() -> None:
         path, params = _write_checkpoint(Path(tmp), preset)
         full = _peak_mb("full", path)
         mapped = _peak_mb("mmap", path)
-        data_root = _small_gauntlet(Path(tmp) / "gauntlet")
+        # the demo's task files cut to 12 records: the load and export dominate, not the scoring
+        data_root = cut_demo_tasks(ROOT / "data" / "gauntlet" / "eval" / "local_data", Path(tmp) / "gauntlet")
         task = _task_peak_mb(ROOT, path, data_root, Path(tmp) / "after")
         line = {
             "bench": "eval_memory", "preset": preset, "params_m": round(params / 1e6, 1),

@@ -1,4 +1,4 @@
-"""Models whose answers are known in advance, for tests and benchmarks of the gauntlet.
+"""Models whose answers are known in advance, and small task files, for tests and benchmarks of the gauntlet.
 
 `bigram_model` is a transformers causal LM whose logits at a position depend only on the
 token there, through a table you write: `prefer={"is": "blue"}` makes "blue" the argmax
@@ -10,6 +10,7 @@ ids, so a test reads in words.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +19,23 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel, Pre
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
+
+# The files configs/gauntlet/tiny_tasks.yaml names, relative to a data root's eval/local_data/.
+DEMO_TASK_FILES = (
+    "language_understanding/lambada_openai_small.jsonl",
+    "commonsense_reasoning/copa.jsonl",
+    "language_understanding/winograd_wsc.jsonl",
+)
+
+
+def cut_demo_tasks(source: Path, root: Path, records: int = 12) -> Path:
+    """A data root for tiny_tasks.yaml holding the first `records` records of each file under `source`
+    (a data root's eval/local_data), so a whole gauntlet scores in about a second."""
+    for rel in DEMO_TASK_FILES:
+        dest = root / "eval" / "local_data" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("\n".join((source / rel).read_text().split("\n")[:records]) + "\n")
+    return root
 
 
 def word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:

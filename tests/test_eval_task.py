@@ -39,12 +39,9 @@ def _llama(vocab: int, seed: int = 0):
 @pytest.fixture(scope="module")
 def small_gauntlet(tmp_path_factory) -> EvalConfig:
     """The demo's tiny YAMLs over the first 12 records of each file, so every test scores in a second."""
-    root = tmp_path_factory.mktemp("gauntlet")
-    for rel in ("language_understanding/lambada_openai_small.jsonl", "commonsense_reasoning/copa.jsonl",
-                "language_understanding/winograd_wsc.jsonl"):  # fmt: skip
-        dest = root / "eval" / "local_data" / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text("\n".join((LOCAL_DATA / rel).read_text().split("\n")[:12]) + "\n")
+    from evaluation.testing import cut_demo_tasks
+
+    root = cut_demo_tasks(LOCAL_DATA, tmp_path_factory.mktemp("gauntlet"), records=12)
     return EvalConfig(
         every=1,
         tasks=str(ROOT / "configs" / "gauntlet" / "tiny_tasks.yaml"),
