@@ -293,6 +293,39 @@ def test_a_refused_lease_stops_every_rank(tmp_path, source):
         holder.wait()
 
 
+# Rank 0 of a two-rank launch reads a setup failure and, as the store's host, waits for rank 1 to
+# read it too; rank 1 has, and has left, so the launcher SIGTERMs rank 0 while it waits.
+_SIGTERM_AFTER_A_POSTED_FAILURE = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from trainers.build import _post, _read
+from trainers.exit_codes import FatalError
+from trainers.train import stop_on_signals
+
+stop_on_signals()
+store = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+_post(store, "tessera/plan", None, FatalError("run 'tiny' is already being trained"))
+print("posted", flush=True)
+_read(store, "tessera/plan")
+"""
+
+
+def test_a_rank_stopped_after_reading_a_fatal_setup_failure_still_exits_fatal():
+    """The race behind a refused lease exiting 76 on rank 0: the code is decided when the failure is read,
+    so the launcher's SIGTERM for the survivors cannot turn FATAL into INTERRUPTED."""
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_AFTER_A_POSTED_FAILURE], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, **ENV, "RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "posted\n"
+        time.sleep(1)  # inside _read's wait for rank 1, which never reads
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == ExitCode.FATAL
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.slow
 def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
     """The process that launched a 2-rank job is SIGKILLed mid-training: launcher and ranks are gone within

@@ -28,7 +28,7 @@ from trainers.data import (
     build_val_evaluators,
     cache_dir_for,
 )
-from trainers.exit_codes import FatalError, RetryableError
+from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
 from trainers.faults import Probe
 from trainers.mlflow_model import download_model
 from trainers.optimizer_seed import seed_optimizer
@@ -100,11 +100,14 @@ def _read(store, key: str):
     answer, failure = pickle.loads(store.get(key))
     store.add(f"{key}/read", 1)
     if failure is not None:
+        fatal, message = failure
+        # Decided now, not when the error reaches main(): a peer that read it first may already be
+        # gone, and the launcher's SIGTERM for the survivors must not turn this into INTERRUPTED.
+        decide_exit(ExitCode.FATAL if fatal else ExitCode.RETRYABLE)
         rank, world_size = world()
         deadline = time.monotonic() + 60
         while rank == 0 and store.add(f"{key}/read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
-        fatal, message = failure
         raise (FatalError if fatal else RetryableError)(message)
     return answer
 

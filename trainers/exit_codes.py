@@ -35,6 +35,23 @@ INTERRUPTED: frozenset[int] = frozenset({ExitCode.INTERRUPTED.value})
 FATAL: frozenset[int] = frozenset({ExitCode.FATAL.value})
 
 
+# What SIGTERM/SIGINT make a rank exit with (trainers/train.py installs the handlers): INTERRUPTED,
+# unless this rank has already decided its own code and is on its way out. Then the signal is the
+# launcher stopping the survivors of a failure this rank knows about (a lost peer's collective
+# failed, or a setup failure that every rank re-raises, and a faster peer left first), and the
+# decided code is the one a supervisor must read.
+_ON_SIGNAL = [ExitCode.INTERRUPTED]
+
+
+def decide_exit(code: ExitCode) -> None:
+    """This rank will leave with `code`: a SIGTERM or SIGINT from now on exits with it too."""
+    _ON_SIGNAL[0] = code
+
+
+def code_on_signal() -> ExitCode:
+    return _ON_SIGNAL[0]
+
+
 class FatalError(Exception):
     """A failure that relaunching cannot fix. The message is printed as one line."""
 

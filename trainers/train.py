@@ -13,14 +13,9 @@ import os
 import signal
 import sys
 
-from trainers.exit_codes import ExitCode, FatalError, classify
+from trainers.exit_codes import ExitCode, FatalError, classify, code_on_signal, decide_exit
 from trainers.jobfile import load_job
 from trainers.supervisor import supervisor_gone, watch_supervisor
-
-# What SIGTERM/SIGINT exit with: INTERRUPTED, unless the trainer already decided its own code and
-# is cleaning up (a lost peer's collective failed, then the launcher's SIGTERM arrives).
-_on_signal = [ExitCode.INTERRUPTED]
-
 
 def stop_on_signals() -> None:
     """SIGTERM and SIGINT leave at once with a code a supervisor can read.
@@ -30,7 +25,7 @@ def stop_on_signals() -> None:
     or from a cancel: none is the trainer's failure, and a relaunch resumes from the last checkpoint.
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: os._exit(_on_signal[0]))
+        signal.signal(sig, lambda *_: os._exit(code_on_signal()))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - every failure maps to an exit code below
             code = record_anomaly(job, exc)  # NaN / spike: schedule a rollback, or give up
             if code is not None:
-                _on_signal[0] = code
+                decide_exit(code)
                 return code
             raise
         return ExitCode.OK
     except FatalError as exc:
-        _on_signal[0] = ExitCode.FATAL
+        decide_exit(ExitCode.FATAL)
         print(f"tessera.train: fatal: {exc}", file=sys.stderr)
         return ExitCode.FATAL
     except Exception as exc:  # noqa: BLE001
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tessera.train: stopping: the supervisor is gone ({type(exc).__name__}: {exc})", file=sys.stderr)
         else:
             logging.getLogger("tessera.train").exception("training failed (%s)", code.name.lower())
-        _on_signal[0] = code
+        decide_exit(code)
         return code
     finally:
         if trainer is not None:
