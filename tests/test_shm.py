@@ -15,24 +15,43 @@ DATASET = """
 import sys
 from streaming import StreamingDataset
 ds = StreamingDataset(local=sys.argv[1], batch_size=1, shuffle=False)
-print("ready", flush=True)
+print("ready", ds._shm_prefix_int, flush=True)  # the prefix of the segments it created
 for line in sys.stdin:
     print(len(ds[int(line)]["tokens"]), flush=True)
 """
 
 
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()}
+def _owned_by(prefix: int) -> set[tuple[str, int]]:
+    """(name, inode) of the segments a dataset created under `prefix`.
+
+    Not "what appeared since it started": under two test workers another test's datasets come and
+    go, and a freed prefix is soon taken by a new dataset, so names alone would blame or credit it.
+    (Nor the prefixes it maps: choosing its prefix, a dataset maps the other prefixes' segments.)
+    """
+    return {(p.name, p.stat().st_ino) for p in Path("/dev/shm").iterdir() if p.name.startswith(f"{prefix:06}_")}
 
 
-def _start(folder: Path) -> subprocess.Popen:
+def _present(files: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """Those of `files` that still exist (the same file: name and inode)."""
+    here = set()
+    for name, inode in files:
+        try:
+            if (Path("/dev/shm") / name).stat().st_ino == inode:
+                here.add((name, inode))
+        except FileNotFoundError:
+            pass
+    return here
+
+
+def _start(folder: Path) -> tuple[subprocess.Popen, int]:
     # Its own session: killing the group also kills multiprocessing's resource tracker, which would
     # otherwise unlink the segments itself (as after a plain kill of one rank; not after a whole launch
     # is killed, or a pod or node dies).
     proc = subprocess.Popen([sys.executable, "-c", DATASET, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    assert proc.stdout.readline() == "ready\n"
-    return proc
+    ready, prefix = proc.stdout.readline().split()
+    assert ready == "ready"
+    return proc, int(prefix)
 
 
 def test_only_segments_no_live_process_maps_are_removed(tmp_path):
@@ -40,19 +59,18 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path):
     from trainers.testing import write_mds
 
     live_data, dead_data = write_mds(tmp_path / "live", 10, 16, 512, seed=1), write_mds(tmp_path / "dead", 10, 16, 512, seed=2)
-    before = _segments()
-    live = _start(live_data)
+    live, live_prefix = _start(live_data)
     try:
-        live_segments = _segments() - before
-        dead = _start(dead_data)
-        dead_segments = _segments() - before - live_segments
+        live_files = _owned_by(live_prefix)
+        dead, dead_prefix = _start(dead_data)
+        dead_files = _owned_by(dead_prefix)
         os.killpg(dead.pid, signal.SIGKILL)  # a killed launch: its segments stay behind
         dead.wait()
-        assert live_segments and dead_segments and dead_segments <= _segments()
+        assert live_files and dead_files and _present(dead_files) == dead_files
 
         removed = clean_stale_streaming_shm()
-        assert dead_segments <= set(removed) and not dead_segments & _segments()  # the killed one's are gone
-        assert live_segments <= _segments() and not live_segments & set(removed)  # the live one's stay
+        assert {n for n, _ in dead_files} <= set(removed) and not _present(dead_files)  # the killed one's are gone
+        assert _present(live_files) == live_files and not {n for n, _ in live_files} & set(removed)  # the live one's stay
         live.stdin.write("3\n")
         live.stdin.flush()
         assert live.stdout.readline() == "16\n"  # and it still reads
@@ -60,4 +78,4 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path):
         os.killpg(live.pid, signal.SIGKILL)
         live.wait()
     clean_stale_streaming_shm()
-    assert not live_segments & _segments()  # once its process is gone, the next launch clears them too
+    assert not _present(live_files)  # once its process is gone, the next launch clears them too
