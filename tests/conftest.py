@@ -112,11 +112,9 @@ def start_tessera_up(recipe: Path, work_dir: Path, *args: str) -> tuple[subproce
         process = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "up", str(recipe), "--work-dir", str(work_dir),
              "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port), *args],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            # The weekly continued-pretraining schedule must not fire into a test session (it would train
-            # the repo's own configs/tiny.yaml); the tests read the schedule, they do not wait for it.
-            env={**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"},
-            preexec_fn=_die_with_parent,
+            # The scheduler runs, as it does for a user: it is a background service that the pins must keep
+            # working (tests/test_deploy.py::test_a_cron_schedule_creates_runs_and_the_worker_runs_one).
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )  # fmt: skip
     return process, prefect_port, mlflow_port, output
 

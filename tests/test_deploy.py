@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -59,6 +60,71 @@ def final_state(api: str, flow_run_id: str, timeout: float) -> dict:
 def started_by(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root] + root.children(recursive=True)
+
+
+WEEKLY = "continued_pretraining/continued-pretraining-weekly"
+
+
+def scheduled_runs(api: str, deployment_id: str) -> list[dict]:
+    """The deployment's runs in state Scheduled, soonest first: its *Upcoming* tab in the UI."""
+    body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}, "state": {"type": {"any_": ["SCHEDULED"]}}},
+            "sort": "EXPECTED_START_TIME_ASC", "limit": 20}  # fmt: skip
+    return prefect_api("POST", f"{api}/flow_runs/filter", json=body).json()
+
+
+def until(what, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while not (value := what()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{message} after {timeout:.0f} s")
+        time.sleep(1)
+    return value
+
+
+def test_a_cron_schedule_creates_runs_and_the_worker_runs_one(live_stack, tmp_path):
+    """The server's scheduler, on as for a user, fills the weekly deployment's Upcoming tab and fires a cron.
+
+    With SQLAlchemy 2.1 Prefect 3.8's scheduler failed every loop ("Can't evaluate bulk DML statement"): the
+    schedule showed as active and no run was ever created.
+    """
+    api = live_stack.api_url
+    weekly = deployment(api, WEEKLY)
+    upcoming = until(lambda: scheduled_runs(api, weekly["id"]), 90, "the weekly deployment has no scheduled run")
+    starts = [datetime.fromisoformat(r["expected_start_time"]) for r in upcoming]
+    assert len(starts) >= 3 and all(r["auto_scheduled"] for r in upcoming)
+    assert all((t.weekday(), t.hour, t.minute, t.utcoffset()) == (0, 3, 0, timedelta(0)) for t in starts)
+    now = datetime.now(timezone.utc)
+    assert now < starts[0] <= now + timedelta(days=7)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [timedelta(days=7)] * (len(starts) - 1)
+    # a Monday-03:00 run must not fire into the test session and train the repo's own recipe
+    prefect_api("POST", f"{api}/deployments/{weekly['id']}/pause_deployment")
+    until(lambda: not scheduled_runs(api, weekly["id"]), 30, "pausing left the weekly deployment's runs scheduled")
+
+    flow = prefect_api("POST", f"{api}/flows/", json={"name": "schedule-probe"}).json()
+    probe = prefect_api("POST", f"{api}/deployments/", json={
+        "name": "every-minute", "flow_id": flow["id"], "entrypoint": "tests/schedule_probe.py:schedule_probe",
+        "work_pool_name": "tessera-local", "parameters": {"marker": str(tmp_path / "marker")},
+        "pull_steps": [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
+        "schedules": [{"schedule": {"cron": "* * * * *", "timezone": "UTC"}, "active": True}],
+    }).json()  # fmt: skip
+    try:
+        until(lambda: scheduled_runs(api, probe["id"]), 90, "the one-minute cron created no scheduled run")
+
+        def completed() -> list[dict]:
+            body = {"flow_runs": {"deployment_id": {"any_": [probe["id"]]},
+                                  "state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED"]}}}, "limit": 5}  # fmt: skip
+            return prefect_api("POST", f"{api}/flow_runs/filter", json=body).json()
+
+        done = until(completed, 180, "no scheduled run of the one-minute cron finished")
+        assert [(r["state"]["type"], r["auto_scheduled"]) for r in done[:1]] == [("COMPLETED", True)]
+        started = datetime.fromisoformat(done[0]["start_time"])
+        expected = datetime.fromisoformat(done[0]["expected_start_time"])
+        assert (expected.second, expected.microsecond) == (0, 0)  # a minute boundary: the cron, not a manual run
+        assert started >= expected
+        assert (tmp_path / "marker" / "ran").exists()
+    finally:
+        prefect_api("POST", f"{api}/deployments/{probe['id']}/pause_deployment")
+        prefect_api("DELETE", f"{api}/deployments/{probe['id']}")
 
 
 def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
@@ -116,6 +182,8 @@ def test_deploy_prints_one_url_per_deployment_and_is_idempotent(live_stack):
         assert all(url.startswith(prefix) for url in lines.values())
         ids.append({name: url.removeprefix(prefix) for name, url in lines.items()})
     assert ids[0] == ids[1] == {name: deployment(live_stack.api_url, name)["id"] for name in PARAMS}
+    # publishing again re-activates the weekly schedule: pause it again (see the cron test)
+    prefect_api("POST", f"{live_stack.api_url}/deployments/{ids[1][WEEKLY]}/pause_deployment")
 
 
 def test_deploy_bad_input_is_one_line(live_stack):
