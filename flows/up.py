@@ -30,6 +30,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deploy import PROJECT_ROOT, QUIET_ENV, Deployed, DeployError, Project, deploy, ensure_pool, load_project
 from flows.recipe import Recipe, load_recipe
+from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
 from tasks.tracking import resolved_uri
 
 EXIT_FAILED = 1
@@ -91,10 +92,15 @@ class Service:
         return {"pid": pid, "argv": self.argv, "env": self.env, "cwd": str(PROJECT_ROOT), "log": str(self.log), "url": self.url}
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 @dataclass
 class _Stack:
     services: dict[str, Service] = field(default_factory=dict)
     hurry: bool = False
+    errors: ErrorReporter = field(default_factory=lambda: ErrorReporter([], _say))
 
     def start(self, service: Service) -> Service:
         with open(service.log, "wb") as out:
@@ -108,15 +114,19 @@ class _Stack:
                 start_new_session=True,  # Ctrl-C reaches tessera up alone; it stops the services in order
             )
         self.services[service.name] = service
+        own = prefect_worker_own if service.name == "prefect-worker" else (lambda logger: True)
+        self.errors.logs.append(ServiceLog(service.name, service.log, own))
         return service
 
     def wait_for(self, service: Service, ready: Callable[[], bool], timeout: float = STARTUP_TIMEOUT_S) -> None:
         """Until `service` is ready; any service that exits meanwhile fails the start-up."""
         deadline = time.monotonic() + timeout
         while not ready():
+            self.errors.poll()
             for started in self.services.values():
                 code = started.process.poll()
                 if code is not None:
+                    self.errors.poll(final=True)  # why it exited, if it said
                     raise UpError(f"{started.name} exited during start-up (exit code {code}); see {started.log}")
             if time.monotonic() > deadline:
                 raise UpError(f"{service.name} was not ready after {timeout:.0f} s; see {service.log}")
@@ -128,11 +138,13 @@ class _Stack:
         while True:
             time.sleep(1.0)
             self._reap_orphans()
+            self.errors.poll()
             for service in self.services.values():
                 code = service.process.poll()
                 if code is None or service.name in reported:
                     continue
                 reported.add(service.name)
+                self.errors.poll(final=True)  # its last words first
                 if service.essential:
                     print(f"tessera up: {service.name} exited (exit code {code}); stopping; see {service.log}",
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -413,6 +425,7 @@ def _print_ready(seconds: float, plan: _Plan, deployed: list[Deployed], stack: _
         f"  MLflow UI    {plan.mlflow_url}"
         + (f"   (store {plan.store})" if plan.store else "   (the recipe's own server: not started here)"),
         f"  worker       {plan.worker_name} on work pool {LOCAL_POOL}",
+        "  errors       what these services log as an error is printed here as it happens",
     ]
     for i, d in enumerate(deployed):
         lines.append(f"  {'deployments' if i == 0 else '':<12} {f'{d.flow_name}/{d.name}':<{width}}  {d.url}")

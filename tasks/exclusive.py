@@ -4,8 +4,13 @@ Runs start from clicks and schedules: a double click, or a schedule firing while
 run of the same name trains, must never put two trainers into one save folder. The flow takes the
 only slot of a global concurrency limit named after the run, on a lease it renews while it
 lives, so a flow process killed outright frees the slot when its lease expires. The trainer
-holds its own lease on the save folder too (trainers/lease.py), which covers trainers started
+holds its own lock on the save folder too (trainers/lease.py), which covers trainers started
 outside Prefect.
+
+A slot can also outlive its holder: when the Prefect server restarts, a lease renewal can fail
+(410 Gone) while the slot stays counted, and nothing frees it. So the flow run that holds the slot
+says so with a tag on itself (`holder_tag`), and a run that finds the slot taken checks the holder:
+a slot no live flow run holds, seen twice RECLAIM_CONFIRM_S apart, is reclaimed with a log line.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from prefect.logging import get_run_logger
 # renewal runs at 3/4 of it, and the server's repossessor frees expired ones every 15 s.
 LEASE_S = 60.0
 REFUSE_AFTER_S = 5.0
+# A run that has just taken the slot tags itself within milliseconds; a slot that still has no live
+# holder this long after it was first seen holderless is orphaned, not being taken.
+RECLAIM_CONFIRM_S = 2.0
+WAIT_ROUND_S = 30.0  # with if_running=wait: how often a waiter checks for an orphaned slot
+LIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED")
 
 
 class RunBusy(RuntimeError):
@@ -32,6 +42,16 @@ def limit_name(run_name: str) -> str:
 
 def run_tag(run_name: str) -> str:
     return f"run:{run_name}"
+
+
+def holder_tag(run_name: str) -> str:
+    """The tag of the flow run that holds `run_name`'s slot (set once it has it)."""
+    return f"holds:{limit_name(run_name)}"
+
+
+def free_by_hand(run_name: str) -> str:
+    return (f"if no run of it is live, free the slot by hand with `prefect gcl update {limit_name(run_name)} "
+            "--active-slots 0`")  # fmt: skip
 
 
 def _ensure_limit(name: str) -> None:
@@ -47,8 +67,8 @@ def _ensure_limit(name: str) -> None:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
-def live_holder(run_name: str, me: str | None) -> str:
-    """Describe the other live flow run of `run_name` (tagged by `run_tag`), for the refusal message."""
+def _live_runs(tag: str, me: str | None) -> list:
+    """Flow runs other than `me` that carry `tag` and have not ended."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -58,22 +78,72 @@ def live_holder(run_name: str, me: str | None) -> str:
         FlowRunFilterTags,
     )
     from prefect.client.schemas.objects import StateType
-    from prefect.settings import PREFECT_UI_URL
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
+        return client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[run_tag(run_name)]),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.CANCELLING])),
+                tags=FlowRunFilterTags(all_=[tag]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(s) for s in LIVE_STATES])),
                 id=FlowRunFilterId(not_any_=[me]) if me else None,
             ),
             limit=5,
         )
+
+
+def live_holder(run_name: str, me: str | None) -> str:
+    """Describe the live flow run holding `run_name`, for the refusal message."""
+    from prefect.settings import PREFECT_UI_URL
+
+    runs = _live_runs(holder_tag(run_name), me) or _live_runs(run_tag(run_name), me)
     if not runs:
-        return "a flow run that has not released it yet (a killed one frees it within about a minute)"
+        return f"a flow run that has not released it yet ({free_by_hand(run_name)})"
     run = runs[0]
     ui = PREFECT_UI_URL.value()
     return f"flow run {run.name!r} ({run.id}{f', {ui}/runs/flow-run/{run.id}' if ui else ''})"
+
+
+def _held_slots(name: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(name).active_slots
+
+
+def reclaim_orphaned(run_name: str, me: str | None, confirm_s: float = RECLAIM_CONFIRM_S) -> bool:
+    """Free `run_name`'s slot if it is held but no live flow run holds it; True when it was freed.
+
+    The holder is the live flow run tagged `holder_tag`. Two looks `confirm_s` apart must both find the
+    slot held and holderless: between taking the slot and tagging itself a run is holderless for an
+    instant, and that run must not lose its slot.
+    """
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    name = limit_name(run_name)
+    for look in range(2):
+        if _held_slots(name) == 0 or _live_runs(holder_tag(run_name), me):
+            return False
+        if look == 0:
+            time.sleep(confirm_s)
+    with get_client(sync_client=True) as client:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+    get_run_logger().warning(
+        "run %s: reclaimed the slot of concurrency limit %s: it was held, but no live flow run holds it (its "
+        "holder ended without releasing it, e.g. its lease was lost while the Prefect server restarted)",
+        run_name, name)  # fmt: skip
+    return True
+
+
+def _tag_holder(run_name: str, flow_run_id: str | None) -> None:
+    if not flow_run_id:
+        return
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run_id).tags
+        client.update_flow_run(flow_run_id, tags=sorted(set(current) | {holder_tag(run_name)}))
 
 
 @contextlib.contextmanager
@@ -86,24 +156,30 @@ def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_i
     name = limit_name(run_name)
     _ensure_limit(name)
     holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run_id) if flow_run_id else None
+
+    def slot(timeout_s: float):
+        return concurrency(
+            name, occupy=1, timeout_seconds=timeout_s, lease_duration=LEASE_S, holder=holder, strict=True,
+            # A failed renewal must not kill a training run; the trainer's own lock still guards the folder.
+            raise_on_lease_renewal_failure=False,
+        )  # fmt: skip
+
+    reclaim_orphaned(run_name, flow_run_id)
     if if_running == "wait":
         get_run_logger().info("run %s: waiting for the run name to be free (concurrency limit %s)", run_name, name)
-    slot = concurrency(
-        name,
-        occupy=1,
-        timeout_seconds=REFUSE_AFTER_S if if_running == "refuse" else None,
-        lease_duration=LEASE_S,
-        holder=holder,
-        strict=True,
-        # A failed renewal must not kill a training run; the trainer's own lease still guards the folder.
-        raise_on_lease_renewal_failure=False,
-    )
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(slot)
-        except AcquireConcurrencySlotTimeoutError:
-            raise RunBusy(
-                f"run {run_name!r} is already running in {live_holder(run_name, flow_run_id)}; wait for it to finish, "
-                "cancel it, or start this one with if_running=wait"
-            ) from None
+        while True:
+            try:
+                stack.enter_context(slot(REFUSE_AFTER_S if if_running == "refuse" else WAIT_ROUND_S))
+                break
+            except AcquireConcurrencySlotTimeoutError:
+                if reclaim_orphaned(run_name, flow_run_id):
+                    continue
+                if if_running == "wait":
+                    continue
+                raise RunBusy(
+                    f"run {run_name!r} is already running in {live_holder(run_name, flow_run_id)}; wait for it to "
+                    "finish, cancel it, or start this one with if_running=wait"
+                ) from None
+        _tag_holder(run_name, flow_run_id)
         yield

@@ -260,3 +260,13 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
     assert run["state"]["type"] == "FAILED"
     assert "configs/no-such-recipe.yaml: recipe file not found" in run["state"]["message"]
     assert "Traceback" not in logs(stack, run_id)
+
+
+def test_no_service_logged_an_error_during_the_whole_session(live_stack):
+    """Last in the live modules: the Prefect server's background services (the scheduler, the repossessor,
+    the event and task-run recorders, ...), the worker and MLflow ran through every live test above
+    without logging an error, which `tessera up` would have printed on its terminal. A pin pip check
+    accepts can still break a service that only runs in the background (SQLAlchemy 2.1 broke the scheduler)."""
+    time.sleep(3)  # tessera up reads the logs once a second
+    said = [line for line in live_stack.output.read_text().splitlines() if "logged an error" in line]
+    assert said == []

@@ -1,0 +1,90 @@
+"""One live flow run per run name (tasks/exclusive.py), against a real temporary Prefect API.
+
+The slot is a Prefect global concurrency limit. These tests hold it from a small flow, the same
+context manager the pipeline uses, so they need no trainer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from prefect import flow, tags
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+from tasks.exclusive import RunBusy, _ensure_limit, holder_tag, limit_name, one_per_run, run_tag
+
+
+@flow(name="hold-run-name")
+def hold(run_name: str, hold_s: float = 0.0) -> str:
+    from prefect.runtime import flow_run
+
+    with one_per_run(run_name, "refuse", flow_run.id):
+        time.sleep(hold_s)
+    return "held"
+
+
+def slots(name: str) -> int:
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(limit_name(name)).active_slots
+
+
+def flow_run_logs(flow_run_id) -> str:
+    with get_client(sync_client=True) as client:
+        rows = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(r.message for r in rows)
+
+
+def run_held(name: str, hold_s: float = 0.0):
+    with tags(run_tag(name)):  # as the pipeline tags its flow runs
+        return hold(name, hold_s, return_state=True)
+
+
+def test_a_slot_no_live_flow_run_holds_is_reclaimed_and_the_run_goes_ahead(prefect_harness):
+    name = f"orphan-{uuid.uuid4().hex[:8]}"
+    _ensure_limit(limit_name(name))
+    with get_client(sync_client=True) as client:  # what a lost lease leaves: a slot counted, no holder
+        client.increment_concurrency_slots(names=[limit_name(name)], slots=1, mode="concurrency")
+    assert slots(name) == 1
+
+    state = run_held(name)
+    assert state.is_completed(), state.message
+    assert slots(name) == 0  # reclaimed, taken, and released at the end
+    flow_run_id = state.state_details.flow_run_id
+    deadline = time.monotonic() + 30  # the API log handler ships batches in the background
+    while f"reclaimed the slot of concurrency limit {limit_name(name)}" not in (text := flow_run_logs(flow_run_id)):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
+    with get_client(sync_client=True) as client:
+        assert holder_tag(name) in client.read_flow_run(flow_run_id).tags
+
+
+def test_a_slot_a_live_flow_run_holds_is_never_reclaimed(prefect_harness):
+    name = f"busy-{uuid.uuid4().hex[:8]}"
+    first: dict = {}
+    holder = threading.Thread(target=lambda: first.setdefault("state", run_held(name, hold_s=12.0)))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the first run has the slot and says so
+            with get_client(sync_client=True) as client:
+                from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+                held = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[holder_tag(name)])))
+            if held:
+                break
+            assert time.monotonic() < deadline, "the first run never took the slot"
+            time.sleep(0.2)
+        second = run_held(name)
+        assert slots(name) == 1  # still the first run's
+    finally:
+        holder.join()
+    assert second.is_failed()
+    with pytest.raises(RunBusy) as refused:
+        second.result()
+    assert str(refused.value).startswith(f"run {name!r} is already running in flow run {held[0].name!r} ({held[0].id}")
+    assert first["state"].is_completed()
+    assert slots(name) == 0

@@ -1,0 +1,112 @@
+"""`tessera up` says its services' errors on its terminal (flows/service_logs.py).
+
+The fixture log is a real Prefect 3.8.8 server log from a `tessera up` on SQLAlchemy 2.1.9: its scheduler
+failed every loop, and nobody saw it because the errors stayed in that file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+
+FIXTURE = Path(__file__).parent / "fixtures" / "prefect-server-scheduler-error.log"
+BULK_DML = "sqlalchemy.exc.InvalidRequestError: Can't evaluate bulk DML statement; please supply a bulk_dml decorated function"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reporter(*logs: ServiceLog) -> tuple[ErrorReporter, list[str], Clock]:
+    said: list[str] = []
+    clock = Clock()
+    return ErrorReporter(list(logs), said.append, clock=clock), said, clock
+
+
+def test_the_scheduler_failure_is_one_line_per_distinct_error_even_when_the_log_grows_mid_line(tmp_path):
+    log = tmp_path / "prefect-server.log"
+    log.write_bytes(b"")
+    errors, said, clock = reporter(ServiceLog("prefect-server", log))
+    text = FIXTURE.read_bytes()
+    for i in range(0, len(text), 700):  # the server writes as it goes; lines are cut between polls
+        with open(log, "ab") as f:
+            f.write(text[i : i + 700])
+        errors.poll()
+    errors.poll()  # nothing new: the last traceback is complete
+    assert said == [
+        f"tessera up: prefect-server logged an error: docket.dependencies: schedule_recent_deployments()"
+        f"{{schedule_recent_deployments}} -> {BULK_DML} (see {log})",
+        f"tessera up: prefect-server logged an error: docket.dependencies: schedule_deployments()"
+        f"{{schedule_deployments}} -> {BULK_DML} (see {log})",
+    ]
+
+    # The loop fails again a minute later: counted, not said, until REPEAT_EVERY_S has passed.
+    block = text.decode().split("\n10:42:56")[0].split("\n", 16)[-1]  # the first error, as logged
+    assert block.startswith("10:42:06.237 | ERROR")
+    for _ in range(3):
+        with open(log, "a") as f:
+            f.write(block.replace("29ms", "31ms") + "\n")
+        clock.now += 60
+        errors.poll()
+    errors.poll()
+    assert len(said) == 2
+    clock.now += errors.repeat_every_s
+    with open(log, "a") as f:
+        f.write(block + "\n")
+    errors.poll()
+    errors.poll()
+    assert said[2].startswith("tessera up: prefect-server logged an error (again; 4 times since it was last said): "
+                              "docket.dependencies: schedule_recent_deployments()")  # fmt: skip
+
+
+def test_warnings_flow_run_output_and_info_tracebacks_are_not_errors(tmp_path):
+    worker = tmp_path / "prefect-worker.log"
+    worker.write_text(
+        "11:00:01.000 | INFO    | prefect.flow_runs.worker - Worker submitting flow run 'abc'\n"
+        "11:00:02.000 | ERROR   | prefect.flow_runs - Finished in state Failed('Flow run encountered an exception.')\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "ValueError: a flow's own failure\n"
+        "11:00:03.000 | WARNING | prefect.workers.process.tessera-up@vm - Attempt 1 failed\n"
+        "Traceback (most recent call last):\n"
+        '  File "y.py", line 2, in <module>\n'
+        "httpx.ConnectError: a retried blip\n"
+        "11:00:04.000 | ERROR   | prefect.workers.process.tessera-up@vm - Failed to submit flow run\n"
+        "Traceback (most recent call last):\n"
+        '  File "z.py", line 3, in <module>\n'
+        "RuntimeError: no such pool\n"
+    )
+    errors, said, _ = reporter(ServiceLog("prefect-worker", worker, prefect_worker_own))
+    errors.poll()
+    errors.poll()
+    assert said == [
+        "tessera up: prefect-worker logged an error: prefect.workers.process.tessera-up@vm: "
+        f"Failed to submit flow run -> RuntimeError: no such pool (see {worker})"
+    ]
+
+
+def test_an_mlflow_error_and_a_crash_with_no_log_line_are_said_and_flushed_when_the_service_exits(tmp_path):
+    mlflow = tmp_path / "mlflow.log"
+    mlflow.write_text(
+        "2026/11/25 10:41:49 INFO mlflow.store.db.utils: Creating initial MLflow database tables...\n"
+        "2026/11/25 10:41:52 ERROR mlflow.server: Exception on /api/2.0/mlflow/runs/get\n"
+        "Traceback (most recent call last):\n"
+        '  File "handlers.py", line 9, in get\n'
+        "sqlalchemy.exc.OperationalError: database is locked\n"
+        "2026/11/25 10:41:53 INFO:     Application startup complete.\n"
+        "Traceback (most recent call last):\n"
+        '  File "cli.py", line 1, in <module>\n'
+        "ModuleNotFoundError: No module named 'MySQLdb'"  # no newline: the process died mid-write
+    )
+    errors, said, _ = reporter(ServiceLog("mlflow", mlflow))
+    errors.poll()
+    assert said == [f"tessera up: mlflow logged an error: mlflow.server: Exception on /api/2.0/mlflow/runs/get -> "
+                    f"sqlalchemy.exc.OperationalError: database is locked (see {mlflow})"]  # fmt: skip
+    errors.poll(final=True)
+    assert said[1:] == [f"tessera up: mlflow logged an error: a traceback, no log line before it (a crash?) -> "
+                        f"ModuleNotFoundError: No module named 'MySQLdb' (see {mlflow})"]  # fmt: skip
