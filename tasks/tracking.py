@@ -22,6 +22,12 @@ from prefect.cache_policies import NO_CACHE
 from tasks.tracking_config import TrackingConfig
 
 RUN_NAME_TAG = "tessera.run_name"
+END_TAG = "tessera.end"
+# The experiment's kind as MLflow's UI names it: "custom_model_development" is "Machine learning" (model
+# training), whose landing tab is Runs, not GenAI's Traces. The 3.17 UI ships with its sidebar switch
+# ("GenAI apps & agents" / "Model training") deciding instead, so `run_ui_url` also asks for it by URL.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 # Long enough to ride out a server restart; each attempt itself is bounded by MLFLOW_HTTP_REQUEST_TIMEOUT.
 TRACKING_RETRY_S = float(os.environ.get("TESSERA_TRACKING_RETRY_S", "300"))
 
@@ -117,9 +123,12 @@ def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str]) -> s
         location = tracking.artifact_location
         if location and "://" not in location:
             location = Path(location).resolve().as_uri()
-        experiment_id = client.create_experiment(tracking.experiment, artifact_location=location)
+        experiment_id = client.create_experiment(tracking.experiment, artifact_location=location,
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})  # fmt: skip
     else:
         experiment_id = experiment.experiment_id
+        if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind a person chose in the UI stays
+            client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     found = client.search_runs(
         [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1
     )
@@ -127,6 +136,8 @@ def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str]) -> s
         run_id = found[0].info.run_id
         if found[0].info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")
+        if END_TAG in found[0].data.tags:  # it said how an earlier attempt ended; close_run writes this one's
+            client.delete_tag(run_id, END_TAG)
         for key, value in tags.items():
             client.set_tag(run_id, key, value)
         return run_id
@@ -162,8 +173,9 @@ def close_run(tracking: TrackingConfig, run_id: str, status: str, note: str | No
               budget_s: float | None = None) -> None:  # fmt: skip
     """End the run with `status` (FINISHED, FAILED, KILLED); `note` says why, as the `tessera.end` tag."""
     client = _mlflow_client(tracking)
-    if note:
-        retrying("tagging the run's end", lambda: client.set_tag(run_id, "tessera.end", note[:5000]), budget_s)
+    # always written: a reopened run had its earlier end's tag removed, and this end must not look unexplained
+    text = note or status
+    retrying("tagging the run's end", lambda: client.set_tag(run_id, END_TAG, text[:5000]), budget_s)
     retrying("closing the MLflow run", lambda: client.set_terminated(run_id, status=status), budget_s)
 
 
@@ -172,7 +184,9 @@ def run_ui_url(tracking: TrackingConfig, run_id: str, experiment_id: str) -> str
     uri = tracking.tracking_uri
     base = os.environ.get("TESSERA_MLFLOW_UI_URL") or (uri if uri.startswith(("http://", "https://")) else
                                                        "http://127.0.0.1:5000")  # fmt: skip
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3.17's UI picks GenAI or model-training pages from this parameter (then from the browser's
+    # last choice, GenAI by default), not from the experiment's kind tag
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def find_run(tracking: TrackingConfig, run_name: str):

@@ -12,7 +12,7 @@ import torch
 
 from tasks.evaluate import EvalSummary
 from tasks.register import BEST_ALIAS, LATEST_ALIAS, register_checkpoint
-from tasks.tracking import TrackingError, client_for, open_run
+from tasks.tracking import TrackingError, client_for, close_run, open_run
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from trainers.checkpoints import CheckpointInfo
@@ -210,3 +210,34 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tm
     parts = mlflow.transformers.load_model("models:/pod/1", return_type="components")
     assert_same_weights(parts["model"], composer_checkpoint)
     assert json.loads(json.dumps(summary))  # the summary line is plain JSON
+
+
+def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_last_end(tmp_path):
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"),
+                              experiment="e", registered_model="x")  # fmt: skip
+    run_id = open_run.fn(tracking, "run-k", tags={})
+    client = client_for(tracking)
+    assert client.get_experiment_by_name("e").tags["mlflow.experimentKind"] == "custom_model_development"
+
+    close_run.fn(tracking, run_id, "KILLED", "Cancelling: stopped from the UI")
+    assert client.get_run(run_id).data.tags["tessera.end"] == "Cancelling: stopped from the UI"
+    assert open_run.fn(tracking, "run-k", tags={}) == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "tessera.end" not in run.data.tags
+    close_run.fn(tracking, run_id, "FINISHED")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["tessera.end"] == "FINISHED"
+
+    # an experiment made before (no kind) gets one; a kind a person chose is kept
+    older = TrackingConfig(tracking_uri=tracking.tracking_uri, artifact_location=str(tmp_path / "art"),
+                           experiment="older", registered_model="x")  # fmt: skip
+    chosen = TrackingConfig(tracking_uri=tracking.tracking_uri, artifact_location=str(tmp_path / "art"),
+                            experiment="chosen", registered_model="x")  # fmt: skip
+    client.create_experiment("older", artifact_location=(tmp_path / "art").as_uri())
+    client.create_experiment("chosen", artifact_location=(tmp_path / "art").as_uri(),
+                             tags={"mlflow.experimentKind": "finetuning"})  # fmt: skip
+    open_run.fn(older, "run-o", tags={})
+    open_run.fn(chosen, "run-c", tags={})
+    assert client.get_experiment_by_name("older").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
+
