@@ -1,24 +1,29 @@
 """Champion/challenger promotion in the MLflow registry, by a rule on fresh gauntlet scores.
 
 `champion` moves only here, and every decision is written onto the versions involved: MLflow
-keeps no history of alias moves (mlflow#2169), so the version tags are that history.
-- `promotion`: accepted | rejected | bootstrap | manual (the latest decision this version took part in);
-- `promotion.summary`, `promotion.rule`, `promotion.vs`, `promotion.date`, `promotion.run`,
-  `promotion.delta.<headline>` and `promotion.delta.category.<name>`: that decision's numbers;
-- `promotion.history.<UTC timestamp>`: one line per decision, never overwritten;
-- `champion.why` / `previous_champion.why`: what the description says about those aliases.
+keeps no history of alias moves (mlflow#2169), so each version's decision history is
+(tasks/version_record.py: one JSON file per decision, never rewritten, read by `decision_history`).
+- the tag `promotion`: accepted | rejected | bootstrap | manual | outside tessera, the latest
+  decision this version took part in, because people filter on it;
+- each history entry: the verdict (`kind`), the version's `role`, `vs`, `summary`, `rule`,
+  `reasons`, `deltas` (headline and categories), `run`, and `why` for an alias it gave the version,
+  which the description repeats.
+A move of an alias made in MLflow's UI is found and recorded by `tasks.aliases.reconcile_aliases`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import logging
 
 from pydantic import BaseModel
 
 from evaluation.compare import deltas
 from evaluation.report import GauntletReport
 from tasks.promote_config import PromoteConfig
-from tasks.register import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, refresh_descriptions, set_aliases
+from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
+from tasks.version_record import append_decision, now
+
+log = logging.getLogger("tessera.promote")
 
 
 class Decision(BaseModel):
@@ -63,45 +68,51 @@ def decide(champion: GauntletReport, challenger: GauntletReport, rule: PromoteCo
                     category_deltas=categories, rule=text, reasons=reasons)  # fmt: skip
 
 
-def _now() -> tuple[str, str]:
-    now = dt.datetime.now(dt.UTC)
-    return now.strftime("%Y-%m-%d"), now.strftime("%Y%m%dT%H%M%SZ")
+def _today() -> str:
+    return now()[1][:10]
 
 
-def _tag_all(client, name: str, version: str, tags: dict[str, str]) -> None:
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, value[:5000])
+def _catch_up(client, name: str, observer: str) -> None:
+    """Record moves made outside tessera before this decision, so each history reads in the order things happened."""
+    for line in reconcile_aliases(client, name, observer):
+        log.warning("%s", line)
+
+
+def _record(client, name: str, version: str, verdict: str, entry: dict) -> None:
+    """One history entry on the version, and the verdict as its `promotion` tag (what people filter on)."""
+    append_decision(client, name, version, {"kind": verdict, **entry})
+    client.set_model_version_tag(name, str(version), "promotion", verdict)
 
 
 def record_decision(client, name: str, champion: str, challenger: str, decision: Decision, run_name: str) -> None:
     """Write the decision onto both versions; on acceptance move `champion` and `previous-champion`."""
-    day, stamp = _now()
+    _catch_up(client, name, f"run {run_name}")
+    day = _today()
     verdict = "accepted" if decision.accepted else "rejected"
-    common = {
-        "promotion": verdict,
-        "promotion.summary": decision.summary(),
-        "promotion.rule": decision.rule,
-        "promotion.date": day,
-        "promotion.run": run_name,
-        f"promotion.delta.{decision.headline}": f"{decision.gain:+.6f}",
-        **{f"promotion.delta.category.{k}": f"{v:+.6f}" for k, v in decision.category_deltas.items()},
-    }
     why = "; ".join(decision.reasons) or "every condition of the rule held"
-    _tag_all(client, name, challenger, {**common, "promotion.vs": f"v{champion} (champion)",
-                                        f"promotion.history.{stamp}": f"challenger vs v{champion}: {verdict}: "
-                                        f"{decision.summary()}; {why}"})  # fmt: skip
-    _tag_all(client, name, champion, {**common, "promotion.vs": f"v{challenger} (challenger)",
-                                      f"promotion.history.{stamp}": f"champion vs v{challenger}: {verdict}: "
-                                      f"{decision.summary()}; {why}"})  # fmt: skip
+    deltas = {decision.headline: decision.gain, **{f"category.{k}": v for k, v in decision.category_deltas.items()}}
+    common = {
+        "summary": decision.summary(), "rule": decision.rule, "reasons": decision.reasons, "run": run_name,
+        "headline": decision.headline, "champion_score": decision.champion_score,
+        "challenger_score": decision.challenger_score, "deltas": deltas,
+    }  # fmt: skip
+    as_challenger = {**common, "role": "challenger", "vs": f"v{champion} (champion)",
+                     "text": f"challenger vs v{champion}: {verdict}: {decision.summary()}; {why}"}  # fmt: skip
+    as_champion = {**common, "role": "champion", "vs": f"v{challenger} (challenger)",
+                   "text": f"champion vs v{challenger}: {verdict}: {decision.summary()}; {why}"}  # fmt: skip
     if decision.accepted:
         worst = decision.worst
         floor = f"no category below {worst[1]:+.4f}" if worst else "no categories"
-        _tag_all(client, name, challenger, {
-            "champion.why": f"champion since {day}: {decision.headline} {decision.challenger_score:.4f} vs "
-                            f"{decision.champion_score:.4f} (v{champion}), {floor} (run {run_name})"})  # fmt: skip
-        _tag_all(client, name, champion, {"previous_champion.why": f"champion until {day}, replaced by v{challenger}"})
-        set_aliases(client, name, {CHAMPION_ALIAS: challenger, PREVIOUS_CHAMPION_ALIAS: champion})
-    refresh_descriptions(client, name, [champion, challenger])
+        as_challenger["why"] = {CHAMPION_ALIAS: f"champion since {day}: {decision.headline} "
+                                f"{decision.challenger_score:.4f} vs {decision.champion_score:.4f} (v{champion}), "
+                                f"{floor} (run {run_name})"}  # fmt: skip
+        as_champion["why"] = {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by v{challenger}"}
+    _record(client, name, challenger, verdict, as_challenger)
+    _record(client, name, champion, verdict, as_champion)
+    if decision.accepted:  # rewrites both descriptions too
+        set_aliases(client, name, {CHAMPION_ALIAS: challenger, PREVIOUS_CHAMPION_ALIAS: champion}, f"run {run_name}")
+    else:
+        refresh_descriptions(client, name, [champion, challenger])
 
 
 def champion_version(client, name: str) -> str | None:
@@ -116,34 +127,36 @@ def champion_version(client, name: str) -> str | None:
 
 def bootstrap(client, name: str, version: str, run_name: str) -> bool:
     """Make `version` the first champion when the model has none; False when one exists."""
+    _catch_up(client, name, f"run {run_name}")
     if champion_version(client, name) is not None:
         return False
-    day, stamp = _now()
     mv = client.get_model_version(name, version)
     score = mv.tags.get("gauntlet_average", "?")
-    why = (f"champion since {day}: the first champion, the best version of run {run_name} "
+    why = (f"champion since {_today()}: the first champion, the best version of run {run_name} "
            f"({mv.tags.get('headline', 'gauntlet average')} {score}); no rule applied (bootstrap)")  # fmt: skip
-    _tag_all(client, name, version, {"promotion": "bootstrap", "promotion.summary": "first champion, no rule applied",
-                                     "promotion.date": day, "promotion.run": run_name, "champion.why": why,
-                                     f"promotion.history.{stamp}": f"bootstrap: {why}"})  # fmt: skip
-    set_aliases(client, name, {CHAMPION_ALIAS: version})
+    _record(client, name, version, "bootstrap", {
+        "summary": "first champion, no rule applied", "run": run_name, "text": f"bootstrap: {why}",
+        "why": {CHAMPION_ALIAS: why}})  # fmt: skip
+    set_aliases(client, name, {CHAMPION_ALIAS: version}, f"run {run_name}")
     return True
 
 
 def promote_by_hand(client, name: str, version: str, note: str) -> str | None:
     """`tessera promote models:/NAME/N`: move `champion` to N, recorded like a decision; returns the old champion."""
+    _catch_up(client, name, "tessera promote")
     old = champion_version(client, name)
     if old == str(version):
         return old
-    day, stamp = _now()
+    day = _today()
     why = f"champion since {day}: promoted by hand ({note})"
-    _tag_all(client, name, version, {"promotion": "manual", "promotion.summary": note, "promotion.date": day,
-                                     "promotion.vs": f"v{old}" if old else "none", "champion.why": why,
-                                     f"promotion.history.{stamp}": f"manual: {why}"})  # fmt: skip
+    _record(client, name, version, "manual", {"summary": note, "vs": f"v{old}" if old else "none", "role": "promoted",
+                                              "text": f"manual: {why}", "why": {CHAMPION_ALIAS: why}})  # fmt: skip
     moves = {CHAMPION_ALIAS: str(version)}
     if old is not None:
-        _tag_all(client, name, old, {"previous_champion.why": f"champion until {day}, replaced by hand by v{version}",
-                                     f"promotion.history.{stamp}": f"manual: replaced by v{version} ({note})"})  # fmt: skip
+        _record(client, name, old, "manual", {
+            "summary": note, "vs": f"v{version}", "role": "replaced",
+            "text": f"manual: replaced by v{version} ({note})",
+            "why": {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by hand by v{version}"}})  # fmt: skip
         moves[PREVIOUS_CHAMPION_ALIAS] = old
-    set_aliases(client, name, moves)
+    set_aliases(client, name, moves, "tessera promote")
     return old

@@ -9,7 +9,9 @@ keeps its checkpoints in object storage (`train.save_folder: s3://...`) is writt
 are not copied into the artifact store a second time.
 
 A version is identified by (run id, tokens), so a retried or rerun task finds the version it
-already made instead of creating a second one.
+already made instead of creating a second one. Its tags are the few that people filter on
+(`version_record.TAGS`); the checkpoint, storage, batch, recipe hash and per-category scores are
+in its record (`version_record(client, name, version)`), and its description says them in words.
 """
 
 from __future__ import annotations
@@ -22,19 +24,22 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
+from tasks.aliases import (  # noqa: F401 - the alias names are part of this module's interface
+    BEST_ALIAS,
+    CHAMPION_ALIAS,
+    LATEST_ALIAS,
+    PREVIOUS_CHAMPION_ALIAS,
+    record_started,
+    refresh_descriptions,
+    set_aliases,
+)
 from tasks.evaluate import EvalSummary
 from tasks.retry import retry_unless
 from tasks.tracking import RUN_NAME_TAG, client_for
 from tasks.tracking_config import TrackingConfig
+from tasks.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from trainers.checkpoints import CheckpointInfo
 from trainers.mlflow_model import model_uri_for, publish, save_mlflow_model, weights_mb
-
-# MLflow reserves the alias `latest` (models:/name/latest is built in and means the highest version
-# number), so the moving "latest" pointer is this alias instead.
-LATEST_ALIAS = "latest-checkpoint"
-BEST_ALIAS = "best"
-CHAMPION_ALIAS = "champion"
-PREVIOUS_CHAMPION_ALIAS = "previous-champion"
 
 
 class Registration(BaseModel):
@@ -66,73 +71,12 @@ def _ensure_registered_model(client, name: str) -> None:
     except MlflowException:
         try:
             client.create_registered_model(
-                name, description="Checkpoints of tessera pretraining runs, one version per evaluated checkpoint."
-            )
+                name, tags=record_started(),
+                description="Checkpoints of tessera pretraining runs, one version per evaluated checkpoint.",
+            )  # fmt: skip
         except MlflowException as exc:
             if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                 raise
-
-
-# ------------------------------------------------------------------ descriptions
-
-
-def _alias_reason(alias: str, tags: dict[str, str]) -> str:
-    headline = tags.get("headline", "gauntlet_average")
-    if alias == LATEST_ALIAS:
-        return f"{alias}: the furthest checkpoint of run {tags.get('run', '?')}"
-    if alias == BEST_ALIAS:
-        return f"{alias}: the highest {headline} among versions scored on gauntlet {tags.get('gauntlet_hash', '?')}"
-    if alias == CHAMPION_ALIAS:
-        return f"{alias}: {tags.get('champion.why', 'set before promotion was recorded')}"
-    if alias == PREVIOUS_CHAMPION_ALIAS:
-        return f"{alias}: {tags.get('previous_champion.why', 'the champion before the current one')}"
-    return alias
-
-
-def describe(tags: dict[str, str], aliases: list[str]) -> str:
-    """What a version is, in words: run, stage, tokens, headline score, and each alias it holds and why."""
-    headline = tags.get("headline", "gauntlet average")
-    score = tags.get("gauntlet_average")
-    lines = [
-        f"Run {tags.get('run', '?')}, stage {tags.get('stage', '?')}, {int(tags.get('tokens', 0)):,} tokens"
-        + (f", continued from {tags['continued_from']}" if "continued_from" in tags else "") + ".",
-        f"{headline} {float(score):.4f} on gauntlet {tags.get('gauntlet_hash', '?')}." if score else "Not scored.",
-        f"Stored {'by reference at ' + tags['model_uri'] if tags.get('storage') == 'reference' else 'in the run'}.",
-    ]
-    if aliases:
-        lines.append("Aliases: " + "; ".join(_alias_reason(a, tags) for a in sorted(aliases)) + ".")
-    if tags.get("promotion"):
-        lines.append(f"Last promotion decision: {tags['promotion']} ({tags.get('promotion.summary', '')}).")
-    return "\n".join(lines)
-
-
-def refresh_descriptions(client, name: str, versions: list[str] | None = None) -> None:
-    """Rewrite the descriptions of `versions` (default all) from their tags and the current aliases."""
-    model = client.get_registered_model(name)
-    held: dict[str, list[str]] = {}
-    for alias, version in model.aliases.items():
-        held.setdefault(str(version), []).append(alias)
-    wanted = None if versions is None else {str(v) for v in versions}
-    for mv in client.search_model_versions(f"name = '{name}'"):
-        if wanted is None or str(mv.version) in wanted:
-            text = describe(dict(mv.tags), held.get(str(mv.version), []))
-            if text != (mv.description or ""):
-                client.update_model_version(name, mv.version, description=text)
-
-
-def _aliases_of(client, name: str) -> dict[str, str]:
-    return {a: str(v) for a, v in client.get_registered_model(name).aliases.items()}
-
-
-def set_aliases(client, name: str, moves: dict[str, str]) -> None:
-    """Point each alias at its version and rewrite the descriptions of every version whose aliases changed."""
-    before = _aliases_of(client, name)
-    for alias, version in moves.items():
-        if before.get(alias) != str(version):
-            client.set_registered_model_alias(name, alias, str(version))
-    after = _aliases_of(client, name)
-    touched = {v for a in set(before) | set(after) if before.get(a) != after.get(a) for v in (before.get(a), after.get(a))}
-    refresh_descriptions(client, name, sorted(v for v in touched if v is not None))
 
 
 def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
@@ -145,7 +89,8 @@ def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
     scored = [v for v in versions if "gauntlet_average" in v.tags and v.tags.get("gauntlet_hash") == gauntlet]
     # ties go to the later checkpoint: same score for more training is the better default
     best = max(scored, key=lambda v: (float(v.tags["gauntlet_average"]), int(v.tags.get("tokens", -1))))
-    set_aliases(client, name, {LATEST_ALIAS: latest.version, BEST_ALIAS: best.version})
+    run = client.get_run(run_id).data.tags.get(RUN_NAME_TAG, run_id)
+    set_aliases(client, name, {LATEST_ALIAS: latest.version, BEST_ALIAS: best.version}, observer=f"run {run}")
     return int(latest.version), int(best.version)
 
 
@@ -204,8 +149,10 @@ def register_checkpoint(
     _ensure_registered_model(client, name)
     existing = _run_versions(client, name, run_id).get(checkpoint.tokens)
     created = existing is None
+    run = client.get_run(run_id)
+    extra = extra_tags or {}
+    storage = None
     if created:
-        run = client.get_run(run_id)
         if summary.model_uri:  # packaged where it was scored (an evaluation pod): never loaded here
             source, storage = summary.model_uri, "reference"
         else:
@@ -224,19 +171,28 @@ def register_checkpoint(
         tags = {
             "tokens": str(checkpoint.tokens),
             "stage": checkpoint.stage,
-            "batch": str(checkpoint.batch),
             "run": run.data.tags.get(RUN_NAME_TAG, run.info.run_name or ""),
-            "recipe_hash": recipe_hash,
             "gauntlet_hash": summary.gauntlet_hash,
             "headline": summary.headline,
             "gauntlet_average": f"{summary.average:.6f}",
-            "checkpoint": checkpoint.path,
-            "storage": storage,
-            "model_uri": source,
-            **{f"score/{k}": f"{v:.6f}" for k, v in sorted(summary.metrics.items()) if k.startswith("gauntlet/")},
-            **(extra_tags or {}),
+            **{k: v for k, v in extra.items() if k in TAGS},
         }
         existing = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    # A retry that finds the version without its record (killed in between) writes the record then.
+    if created or not has_version_record(client, name, existing.version, run_id):
+        facts = {
+            "checkpoint": checkpoint.path,
+            "storage": storage or ("copy" if existing.source.startswith(f"{run.info.artifact_uri}/") else "reference"),
+            "model_uri": existing.source,
+            "batch": checkpoint.batch,
+            "recipe_hash": recipe_hash,
+            "run_id": run_id,
+            "registered_at": now()[1],
+            "scores": {k: round(v, 6) for k, v in sorted(summary.metrics.items()) if k.startswith("gauntlet/")},
+            # facts the caller adds that nobody filters on (the checkpoint's lasting place, not its pin)
+            **{k: v for k, v in extra.items() if k not in TAGS},
+        }
+        write_version_record(client, name, existing.version, facts)
         refresh_descriptions(client, name, [existing.version])
     latest, best = _move_aliases(client, name, run_id)
     return Registration(

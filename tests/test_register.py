@@ -6,15 +6,17 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from tasks.evaluate import EvalSummary
-from tasks.register import BEST_ALIAS, LATEST_ALIAS, register_checkpoint
+from tasks.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_checkpoint
 from tasks.tracking import TrackingError, client_for, close_run, open_run
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
+from tasks.version_record import version_record
 from trainers.checkpoints import CheckpointInfo
 
 
@@ -76,12 +78,28 @@ def test_register_is_idempotent_and_moves_aliases(tmp_path, composer_checkpoint)
     assert int(client.get_model_version_by_alias("tiny", LATEST_ALIAS).version) == 3
     assert int(client.get_model_version_by_alias("tiny", BEST_ALIAS).version) == 2
     v2 = client.get_model_version("tiny", "2")
-    assert v2.tags["tokens"] == "128" and v2.tags["gauntlet_average"] == "0.500000"
-    assert v2.tags["score/gauntlet/core_average"] == "0.500000" and v2.tags["recipe_hash"] == "abc"
+    # the tags are the few people filter and sort on; the rest is in the version's record
+    assert v2.tags == {"run": "run-a", "stage": "s", "tokens": "128", "gauntlet_average": "0.500000",
+                       "headline": "core_average", "gauntlet_hash": "g1"}  # fmt: skip
+    record = version_record(client, "tiny", "2")
+    stored = f"{client.get_run(run_id).info.artifact_uri}/checkpoints/tok-000000000128"
+    facts = ("checkpoint", "storage", "model_uri", "batch", "recipe_hash", "scores", "run_id")
+    assert {k: record[k] for k in facts} == {
+        "checkpoint": composer_checkpoint, "storage": "copy", "model_uri": stored, "batch": 2, "recipe_hash": "abc",
+        "scores": {"gauntlet/core_average": 0.5}, "run_id": run_id}  # fmt: skip
+    assert checkpoint_of(client, "tiny", "2") == composer_checkpoint
+    assert client.list_artifacts(run_id, "registry/tiny/v2")[0].path == "registry/tiny/v2/version.json"
+    # killed between the version and its record: the retry finds the version and writes the record
+    from urllib.parse import urlparse
 
-    assert v2.tags["gauntlet_hash"] == "g1" and v2.tags["headline"] == "core_average" and v2.tags["run"] == "run-a"
-    # each version says what it is, and why it holds its aliases
-    assert v2.description.startswith("Run run-a, stage s, 128 tokens.\ncore_average 0.5000 on gauntlet g1.")
+    (Path(urlparse(client.get_run(run_id).info.artifact_uri).path) / "registry/tiny/v2/version.json").unlink()
+    assert checkpoint_of(client, "tiny", "2") is None
+    assert (register(128, 0.5).created, checkpoint_of(client, "tiny", "2")) == (False, composer_checkpoint)
+    assert version_record(client, "tiny", "2")["storage"] == "copy"
+    # each version says what it is, where it is, and why it holds its aliases
+    assert v2.description.startswith("Run run-a, stage s, 128 tokens.\ncore_average 0.5000 on gauntlet g1.\n"
+                                     f"Stored in the run at {stored}.\n"
+                                     f"Training checkpoint (weights and optimizer state): {composer_checkpoint}.\n")
     assert "best: the highest core_average among versions scored on gauntlet g1" in v2.description
     assert "latest-checkpoint: the furthest checkpoint of run run-a" in client.get_model_version("tiny", "3").description
     assert "Aliases" not in client.get_model_version("tiny", "1").description
@@ -148,7 +166,8 @@ def test_a_large_model_is_registered_by_reference_and_loads_from_s3(tmp_path, co
     client = client_for(tracking)
     version = client.get_model_version("big", str(reg.version))
     assert version.source == "s3://ckpts/runs/run-b/models/tok-000000000064"
-    assert version.tags["storage"] == "reference" and "Stored by reference at s3://ckpts/" in version.description
+    assert version_record(client, "big", "1")["storage"] == "reference"
+    assert "Stored by reference at s3://ckpts/runs/run-b/models/tok-000000000064.\n" in version.description
     keys = {o["Key"] for o in moto_s3.list_objects_v2(Bucket="ckpts")["Contents"]}
     assert "runs/run-b/models/tok-000000000064/MLmodel" in keys
     assert not client.list_artifacts(run_id, "checkpoints")  # nothing copied into the artifact store
@@ -204,7 +223,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tm
     info = CheckpointInfo(path=checkpoint_uri, tokens=64, batch=1, stage="s", stage_index=0)
     reg = register_checkpoint.fn(info, result, tracking, run_id, "abc", "s3://ckpts/runs/run-c")
     version = client.get_model_version("pod", str(reg.version))
-    assert version.source == target and version.tags["storage"] == "reference"
+    assert version.source == target and version_record(client, "pod", "1")["storage"] == "reference"
     mlflow.set_tracking_uri(tracking.tracking_uri)
     mlflow.set_registry_uri(tracking.tracking_uri)
     parts = mlflow.transformers.load_model("models:/pod/1", return_type="components")
@@ -241,3 +260,38 @@ def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_l
     assert client.get_experiment_by_name("older").tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
 
+
+def test_a_version_registered_before_the_record_still_resolves_and_describes(tmp_path):
+    """Versions made before the record existed keep everything in tags: read as they are, never migrated."""
+    from tasks.aliases import refresh_descriptions
+    from tasks.version_record import decision_history
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = client_for(TrackingConfig(tracking_uri=uri, registered_model="old"))
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    client.create_registered_model("old")
+    client.create_model_version("old", source="file:///tmp/old-model", run_id=run_id, tags={
+        "tokens": "64", "stage": "s", "batch": "1", "run": "run-old", "recipe_hash": "abc", "gauntlet_hash": "g1",
+        "headline": "core_average", "gauntlet_average": "0.250000", "checkpoint": "/ckpts/run-old-tok64.pt",
+        "storage": "copy", "model_uri": "file:///tmp/old-model", "score/gauntlet/core_average": "0.250000",
+        "promotion": "bootstrap", "promotion.summary": "first champion, no rule applied",
+        "champion.why": "champion since 2025-01-02: the first champion (bootstrap)",
+        "promotion.history.20250102T030405Z": "bootstrap: champion since 2025-01-02: the first champion (bootstrap)"})
+    client.set_registered_model_alias("old", "champion", "1")
+
+    assert checkpoint_of(client, "old", "1") == "/ckpts/run-old-tok64.pt"
+    record = version_record(client, "old", "1")
+    assert (record["storage"], record["batch"], record["recipe_hash"], record["scores"]) == (
+        "copy", 1, "abc", {"gauntlet/core_average": 0.25})
+    assert decision_history(client, "old", "1") == [{
+        "stamp": "20250102T030405.000000000Z", "at": "2025-01-02T03:04:05Z", "kind": "bootstrap", "legacy": True,
+        "text": "bootstrap: champion since 2025-01-02: the first champion (bootstrap)"}]  # fmt: skip
+    refresh_descriptions(client, "old")
+    assert client.get_model_version("old", "1").description == (
+        "Run run-old, stage s, 64 tokens.\n"
+        "core_average 0.2500 on gauntlet g1.\n"
+        "Stored in the run at file:///tmp/old-model.\n"
+        "Training checkpoint (weights and optimizer state): /ckpts/run-old-tok64.pt.\n"
+        "Aliases: champion: champion since 2025-01-02: the first champion (bootstrap).\n"
+        "Last promotion decision (2025-01-02): bootstrap: champion since 2025-01-02: the first champion (bootstrap).")
