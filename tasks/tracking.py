@@ -25,7 +25,7 @@ RUN_NAME_TAG = "tessera.run_name"
 END_TAG = "tessera.end"
 # The experiment's kind as MLflow's UI names it: "custom_model_development" is "Machine learning" (model
 # training), whose landing tab is Runs, not GenAI's Traces. The 3.17 UI ships with its sidebar switch
-# ("GenAI apps & agents" / "Model training") deciding instead, so `run_ui_url` also asks for it by URL.
+# ("GenAI apps & agents" / "Model training") deciding instead, so tessera's links also ask for it (`_ui`).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 # Long enough to ride out a server restart; each attempt itself is bounded by MLFLOW_HTTP_REQUEST_TIMEOUT.
@@ -179,14 +179,27 @@ def close_run(tracking: TrackingConfig, run_id: str, status: str, note: str | No
     retrying("closing the MLflow run", lambda: client.set_terminated(run_id, status=status), budget_s)
 
 
-def run_ui_url(tracking: TrackingConfig, run_id: str, experiment_id: str) -> str:
-    """Where a person opens this run: the MLflow server itself, or the URL `tessera up`/`mlflow ui` serves."""
+def _ui(tracking: TrackingConfig, page: str) -> str:
+    """A page of the MLflow server itself, or of the UI `tessera up`/`mlflow ui` serves, in its model-training view.
+
+    MLflow 3.17's UI takes GenAI or model training from the page's `workflowType` (then from the browser's last
+    choice, GenAI by default), not from the experiment's kind tag; its GenAI view hides the Model registry."""
     uri = tracking.tracking_uri
     base = os.environ.get("TESSERA_MLFLOW_UI_URL") or (uri if uri.startswith(("http://", "https://")) else
                                                        "http://127.0.0.1:5000")  # fmt: skip
-    # MLflow 3.17's UI picks GenAI or model-training pages from this parameter (then from the browser's
-    # last choice, GenAI by default), not from the experiment's kind tag
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    return f"{base.rstrip('/')}/#/{page}?workflowType=machine_learning"
+
+
+def run_ui_url(tracking: TrackingConfig, run_id: str, experiment_id: str) -> str:
+    """Where a person opens this run."""
+    return _ui(tracking, f"experiments/{experiment_id}/runs/{run_id}")
+
+
+def model_ui_url(tracking: TrackingConfig, name: str) -> str:
+    """Where a person sees the registered model's versions, aliases and descriptions."""
+    from urllib.parse import quote
+
+    return _ui(tracking, f"models/{quote(name, safe='')}")
 
 
 def find_run(tracking: TrackingConfig, run_name: str):

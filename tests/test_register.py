@@ -13,7 +13,7 @@ import torch
 
 from tasks.evaluate import EvalSummary
 from tasks.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_checkpoint
-from tasks.tracking import TrackingError, client_for, close_run, open_run
+from tasks.tracking import TrackingError, client_for, close_run, model_ui_url, open_run, run_ui_url
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tasks.version_record import version_record
@@ -231,7 +231,8 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tm
     assert json.loads(json.dumps(summary))  # the summary line is plain JSON
 
 
-def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_last_end(tmp_path):
+def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_last_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("TESSERA_MLFLOW_UI_URL", raising=False)
     tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"),
                               experiment="e", registered_model="x")  # fmt: skip
     run_id = open_run.fn(tracking, "run-k", tags={})
@@ -259,6 +260,11 @@ def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_l
     open_run.fn(chosen, "run-c", tags={})
     assert client.get_experiment_by_name("older").tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
+    # links open the model-training view, where the 3.17 UI also shows the Model registry
+    assert run_ui_url(tracking, run_id, "1") == (
+        f"http://127.0.0.1:5000/#/experiments/1/runs/{run_id}?workflowType=machine_learning")
+    assert model_ui_url(tracking, "tessera tiny") == (
+        "http://127.0.0.1:5000/#/models/tessera%20tiny?workflowType=machine_learning")
 
 
 def test_a_version_registered_before_the_record_still_resolves_and_describes(tmp_path):
