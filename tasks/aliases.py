@@ -192,6 +192,16 @@ def reconcile_aliases(client, name: str, observer: str) -> list[str]:
     return lines
 
 
+def reconcile_registry(tracking, observer: str) -> list[str]:
+    """`reconcile_aliases` on the recipe's registered model, retried through a tracking-server blip; for flows and
+    the CLI to call as they start and log the lines. `tracking` is a TrackingConfig."""
+    from tasks.tracking import client_for, retrying
+
+    client = client_for(tracking)
+    return retrying("recording alias moves made outside tessera",
+                    lambda: reconcile_aliases(client, tracking.registered_model, observer))  # fmt: skip
+
+
 def set_aliases(client, name: str, moves: dict[str, str], observer: str = "tessera") -> None:
     """Point each alias at its version, record it, and rewrite the descriptions of every version whose aliases
     changed. Moves made outside tessera since its last one are recorded first (`observer` noticed them)."""

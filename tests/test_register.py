@@ -260,6 +260,17 @@ def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_l
     open_run.fn(chosen, "run-c", tags={})
     assert client.get_experiment_by_name("older").tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
+    # a flow's first look at the registry: an alias moved in MLflow's UI is found, once
+    from tasks.aliases import reconcile_registry
+
+    assert reconcile_registry(tracking, "flow run a") == []  # no registered model yet
+    client.create_registered_model("x")
+    client.create_model_version("x", source="file:///tmp/x", run_id=run_id)
+    assert reconcile_registry(tracking, "flow run a") == []  # made before the record: adopted, nothing invented
+    client.set_registered_model_alias("x", "champion", "1")
+    found = reconcile_registry(tracking, "flow run b")
+    assert len(found) == 1 and found[0].startswith("x: alias champion set on v1 outside tessera (detected ")
+    assert found[0].endswith(" by flow run b)") and reconcile_registry(tracking, "flow run c") == []
     # links open the model-training view, where the 3.17 UI also shows the Model registry
     assert run_ui_url(tracking, run_id, "1") == (
         f"http://127.0.0.1:5000/#/experiments/1/runs/{run_id}?workflowType=machine_learning")
