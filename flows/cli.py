@@ -142,6 +142,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
         client.get_model_version(name, version)
     except MlflowException:
         raise RecipeError(f"{args.model}: no such model version in {recipe.tracking.tracking_uri}") from None
+    from tasks.aliases import reconcile_registry
+
+    for line in reconcile_registry(recipe.tracking, "tessera promote"):
+        print(line)
     old = promote_by_hand(client, name, version, args.note)
     print(f"{name}: champion v{version}" + (f" (was v{old}; now previous-champion)" if old and old != version else ""))
     return 0
@@ -319,11 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cancelled_run() -> type[BaseException]:
+    # evaluated only when an exception reaches main(): `tessera --help` need not import Prefect
+    from prefect.exceptions import CancelledRun
+
+    return CancelledRun
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_environment()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except _cancelled_run() as exc:  # refused (the run name is live elsewhere) or stopped: the state's message says which
+        print(f"tessera: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except bad_input_types() as exc:
         from tasks.tracking import TrackingUnavailable
         from tasks.train import TrainingFailed, TrainingFatal

@@ -15,56 +15,78 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.evaluate import score_model
 from flows.pipeline import PipelineResult, RunTarget, run_pipeline
 from flows.prepare import prepare_sources
-from flows.recipe import Recipe, RecipeError, load_recipe
+from flows.outcome import form_values, run_to_state
+from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
 from tasks import ledger
+from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.promote import Decision, champion_version, decide, record_decision
-from tasks.register import CHAMPION_ALIAS
+from tasks.register import CHAMPION_ALIAS, checkpoint_of
 from tasks.tracking import client_for, resolved_uri, retrying
 from trainers.remote import fetch_folder
 
 
 class ContinueParams(RunTarget):
-    """The form of a continued-pretraining run (and `tessera continue`'s flags)."""
+    """A continued-pretraining run: the recipe the model was trained with and where the new files are. Every
+    field left empty keeps its default."""
+
+    run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
+        None, pattern=NAME_PATTERN, title="Run name",
+        description="Names the continued run (its checkpoints, MLflow run and versions). Empty: derived from the "
+        "base version and the new files, <recipe>-cpt-v<N>-<digest>, so a retry of the same continuation resumes.",
+    )  # fmt: skip
 
     new_data: str = Field(
         ..., min_length=1,
         description="New data: a directory (every file under it), a glob, or an s3:// prefix. Files an earlier "
         "continued run of this model consumed are skipped.",
     )  # fmt: skip
-    base: str | None = Field(
-        None, description="Registry URI of the model to continue; default models:/<registered_model>@champion."
-    )
+    base: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, title="Base model",
+        description="Registry URI of the model to continue, e.g. `models:/tessera-tiny/3` or "
+        "`models:/tessera-tiny@best`. Empty: the champion of the recipe's registered model.",
+    )  # fmt: skip
     new_data_format: Literal["text", "jsonl"] = Field("text", description="How the new files are read.")
     separator: str | None = Field("\n\n", description="text: split each file into documents on this; null: one per file.")
     text_field: str = Field("text", description="jsonl: the field holding the document text.")
-    tokens: int | None = Field(
-        None, gt=0, description="Token budget; default one pass over the new data (plus the replay share)."
-    )
+    tokens: Annotated[int | None, *form_input({"type": "integer", "minimum": 1})] = Field(
+        None, gt=0, title="Token budget",
+        description="Tokens to train: a positive integer. Empty: one pass over the new data (plus the replay share).",
+    )  # fmt: skip
     replay_fraction: float = Field(
         0.2, ge=0, lt=1, description="Share of each batch drawn from the recipe's own sources, against forgetting."
     )
-    lr: float | None = Field(None, gt=0, le=1, description="Peak LR of the rewarm; default the recipe's train.optim.lr.")
+    lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
+        None, gt=0, le=1, title="Peak learning rate",
+        description="Peak LR of the rewarm: above 0 and at most 1. Empty: the recipe's train.optim.lr.",
+    )  # fmt: skip
     rewarm_fraction: float = Field(
         0.1, ge=0, lt=1, description="Share of the budget spent warming the LR back up from zero."
     )
     schedule: Literal["cosine", "linear"] = Field("cosine", description="Decay after the rewarm, to min_lr_ratio.")
-    min_gain: float | None = Field(None, description="Overrides the recipe's promote.min_gain.")
-    max_category_drop: float | None = Field(None, ge=0, description="Overrides the recipe's promote.max_category_drop.")
-    if_running: Literal["refuse", "wait"] = Field(
-        "refuse", description="When a run of the same name is live: refuse at once, naming it, or wait."
+    min_gain: Annotated[float | None, *form_input({"type": "number"})] = Field(
+        None, description="The headline gain promotion needs. Empty: the recipe's promote.min_gain."
     )
+    max_category_drop: Annotated[float | None, *form_input({"type": "number", "minimum": 0})] = Field(
+        None, ge=0, description="The largest drop a category may take, 0 or more. Empty: the recipe's "
+        "promote.max_category_drop.",
+    )  # fmt: skip
+    if_running: Literal["refuse", "wait"] = Field(
+        "refuse", title="If a run of this name is live",
+        description="refuse: end at once as Refused, naming the live run; wait: start when it has ended.",
+    )  # fmt: skip
 
 
 class ContinueResult(BaseModel):
@@ -136,7 +158,7 @@ def _derive(recipe: Recipe, params: ContinueParams, base_uri: str, source: dict,
         "lr": params.lr or recipe.train.optim.lr, "warmup_tokens": rewarm, "schedule": params.schedule,
         "decay_tokens": budget,
     }  # fmt: skip
-    checkpoint = base_mv.tags.get("checkpoint")
+    checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
     raw["model"]["init_from"] = base_uri
     raw["train"]["init_optimizer_from"] = checkpoint if checkpoint else None
     if recipe.eval.every > budget:  # at least the stage end is evaluated either way
@@ -205,13 +227,17 @@ def _flow_run_name() -> str:
     return str(params.get("run_name") or f"continue-{Path(str(params.get('recipe', 'tessera'))).stem}")
 
 
-@flow(name="continued_pretraining", flow_run_name=_flow_run_name, log_prints=True)
+@flow(name="continued_pretraining", flow_run_name=_flow_run_name, log_prints=True, validate_parameters=False)
 def continued_pretraining(params: ContinueParams) -> ContinueResult:
     """Continue pretraining the champion on data that arrived since the last run; promote it only if better."""
     prepare_process()
+    params = form_values(ContinueParams, params)  # one line, also with the UI's validation switched off
     logger = get_run_logger()
     recipe = load_recipe(params.recipe)
     name = recipe.tracking.registered_model
+    # alias moves made in MLflow's UI since tessera last looked go into the versions' history first
+    for line in reconcile_registry(recipe.tracking, f"continued_pretraining flow run {flow_run.name}"):
+        logger.warning("%s", line)
     # What is new comes first: a scheduled run with nothing new says so and ends, champion or not.
     inputs = ledger.list_inputs(params.new_data)
     seen, last_run = ledger.consumed(recipe.tracking, name)
@@ -244,12 +270,15 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
                 run_name, budget, 100 * params.replay_fraction, ", ".join(recipe.train.stages[-1].mixture),
                 continued.train.optim.lr, continued.train.optim.warmup_tokens, params.schedule)  # fmt: skip
 
-    result = run_pipeline(
+    outcome = run_to_state(run_name, lambda: run_pipeline(
         continued, run_name, params.recipe, params.if_running,
         run_tags={ledger.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
                   "tessera.new_files": str(len(fresh))},
         version_tags={"continued_from": f"v{version}"},
-    )  # fmt: skip
+    ))  # fmt: skip
+    if not isinstance(outcome, PipelineResult):  # refused or stopped: that state is how this run ends
+        return outcome
+    result = outcome
     from tasks.register import best_of_run
 
     client = client_for(continued.tracking)

@@ -8,6 +8,7 @@ report shows per-task deltas: the basis for promoting a checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -15,23 +16,37 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
+from flows.recipe import form_input
 
 
 class EvalParams(BaseModel):
-    """The form the Prefect UI shows for an eval run (and the CLI's flags)."""
+    """Score a model on an Eval Gauntlet task list, optionally against a second one. Fields left empty keep their
+    defaults."""
 
     model: str = Field(..., description="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.")
     tasks: str = Field(..., description="ICL task list YAML (Mosaic Eval Gauntlet format).")
-    gauntlet: str | None = Field(None, description="Gauntlet YAML; null reports tasks only.")
+    gauntlet: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, description="Gauntlet YAML (categories, weighting, averages). Empty: report the tasks only."
+    )
     data_root: str = Field(".", description="Root that task dataset_uri values resolve against (local or s3://).")
-    batch_size: PositiveInt = Field(16, description="Sequences per forward pass.")
-    max_seq_len: PositiveInt | None = Field(None, description="Left-truncate contexts to this; null: the model's.")
+    batch_size: PositiveInt = Field(16, description="Sequences per forward pass: 1 or more.")
+    max_seq_len: Annotated[PositiveInt | None, *form_input({"type": "integer", "minimum": 1})] = Field(
+        None, description="Left-truncate contexts to this many tokens, 1 or more. Empty: the model's own length."
+    )
     seed: int = Field(1234, description="Few-shot sampling seed.")
     strict: bool = Field(False, description="Fail when a task file is missing instead of skipping it.")
-    tracking_uri: str | None = Field(None, description="MLflow tracking/registry URI for models:/ URIs.")
-    compare_to: str | None = Field(None, description="A second model (same forms as `model`) to compare against.")
-    output_dir: str | None = Field(None, description="Write report.md, report.json, report.html (and comparison.md) here.")
-    run_id: str | None = Field(None, description="Also log metrics, table and reports to this MLflow run (needs tracking_uri).")
+    tracking_uri: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, description="MLflow tracking/registry URI for models:/ URIs."
+    )
+    compare_to: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, description="A second model (same forms as `model`) to compare against."
+    )
+    output_dir: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, description="Write report.md, report.json, report.html (and comparison.md) here."
+    )
+    run_id: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
+        None, description="Also log metrics, table and reports to this MLflow run (needs tracking_uri)."
+    )
     step: int = Field(0, ge=0, description="MLflow step for those metrics: the model's training tokens.")
 
 
@@ -53,8 +68,11 @@ def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
     return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
 
 
-@flow(name="tessera-eval", log_prints=True)
+@flow(name="tessera-eval", log_prints=True, validate_parameters=False)
 def eval_flow(params: EvalParams) -> EvalOutcome:
+    from flows.outcome import form_values
+
+    params = form_values(EvalParams, params)  # one line, also with the UI's validation switched off
     from evaluation.html import render_html
     from evaluation.report import compare_markdown
 

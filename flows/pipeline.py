@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from prefect import flow, get_run_logger
@@ -23,11 +23,13 @@ from prefect.futures import PrefectFuture, wait
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel, Field
 
+from flows.outcome import REFUSED, form_values, run_to_state
 from flows.prepare import prepare_recipe_data
-from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, load_recipe
+from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, form_input, load_recipe
 from flows.runtime import prepare_process
 from infra import allow_launches, cancel_all
 from tasks import pins
+from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.evaluate import evaluate_checkpoint
 from tasks.exclusive import one_per_run, run_tag
@@ -46,25 +48,34 @@ POLL_SECONDS = 2.0
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+RUN_NAME_HELP = (
+    "This names the tessera run: its checkpoints, its MLflow run and its model versions; the same name resumes "
+    "it. Empty: the recipe's name. Letters, digits, '.', '_' and '-'. (The Run Name at the top of the page only "
+    "labels the Prefect flow run, which is renamed after this one.)"
+)
+
+
 class RunTarget(BaseModel):
     """The first two fields of every training form: which recipe, and which run of it."""
 
     recipe: str = Field(
-        ..., min_length=1, description="Path to the recipe YAML (relative paths resolve against the worker's directory)."
-    )
-    run_name: str | None = Field(
-        None,
-        pattern=NAME_PATTERN,
-        description="Names the run; the same name resumes its checkpoints and MLflow run. Defaults to the recipe name.",
+        ..., min_length=1,
+        description="Path to the recipe YAML, e.g. configs/tiny.yaml (relative paths resolve against the worker's "
+        "directory).",
+    )  # fmt: skip
+    run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
+        None, pattern=NAME_PATTERN, title="Run name", description=RUN_NAME_HELP
     )
 
 
 class PipelineParams(RecipeOverrides, RunTarget):
-    """What the Prefect UI asks for when a run is triggered: a recipe, a run name and what to change in it."""
+    """A training run of a recipe. Only the recipe is required: every other field left empty keeps the recipe's
+    value. The run name below, not the Run Name above, names the run."""
 
     if_running: Literal["refuse", "wait"] = Field(
         "refuse",
-        description="When a run of the same name is already live: refuse at once, naming it, or wait for it to end.",
+        title="If a run of this name is live",
+        description="refuse: end at once as Refused, naming the live run; wait: start when it has ended.",
     )
 
 
@@ -267,6 +278,8 @@ def _record_end(flow, flow_run, state) -> None:
     import logging
 
     logger = logging.getLogger("tessera.pipeline")
+    if state.name == REFUSED:  # the MLflow run is the live holder's: it is not this flow run's to close
+        return
     try:
         params = PipelineParams.model_validate(flow_run.parameters["params"])
         recipe, run_name = _resolve(params)
@@ -347,7 +360,7 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
                            "tessera.param_changed.* tags", run_name, ", ".join(changed))  # fmt: skip
         _link_mlflow_run(recipe, run_name, run_id)
 
-        data = prepare_recipe_data(recipe.data, recipe.train.stages)
+        data = prepare_recipe_data(recipe.data, recipe.train.stages, run_name)
         prepared = data.prepared
         job = TrainJob(
             run_name=run_name,
@@ -411,20 +424,31 @@ def _link_mlflow_run(recipe: Recipe, run_name: str, run_id: str) -> None:
     url = run_ui_url(recipe.tracking, run_id, experiment_id)
     create_link_artifact(
         link=url, link_text=f"MLflow run {run_name}", key=artifact_key(run_name, "mlflow-run"),
-        description=f"The MLflow run {run_id} holding this run's metrics, gauntlet reports and registered versions.",
+        description=f"Open the MLflow run of {run_name}: its metrics, gauntlet reports and model versions ({run_id}).",
     )  # fmt: skip
 
 
-@flow(name="pretrain_pipeline", flow_run_name=_flow_run_name, log_prints=True,
+# validate_parameters=False: the form's values are validated first thing in the body, in one line
+# (form_values), also when the UI's "Validate parameters" switch was off; Prefect's own check would
+# fail the run with a traceback.
+@flow(name="pretrain_pipeline", flow_run_name=_flow_run_name, log_prints=True, validate_parameters=False,
       on_crashed=[_record_end], on_cancellation=[_record_end])  # fmt: skip
 def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     """Prepare the recipe's data, train its curriculum, and evaluate and register every checkpoint."""
     prepare_process()
+    params = form_values(PipelineParams, params)
     recipe, run_name = _resolve(params)  # a bad recipe or override fails here, in one line
-    result = run_pipeline(recipe, run_name, params.recipe, params.if_running)
-    if result.registrations:
-        _bootstrap_champion(recipe, run_name, result)
-    return result
+    # alias moves made in MLflow's UI since tessera last looked go into the versions' history first
+    for line in reconcile_registry(recipe.tracking, f"pretrain_pipeline run {run_name}"):
+        get_run_logger().warning("%s", line)
+
+    def body() -> PipelineResult:
+        result = run_pipeline(recipe, run_name, params.recipe, params.if_running)
+        if result.registrations:
+            _bootstrap_champion(recipe, run_name, result)
+        return result
+
+    return run_to_state(run_name, body)
 
 
 def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:

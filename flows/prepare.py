@@ -123,7 +123,8 @@ def prepare_sources(data: DataConfig) -> PreparedData:
     return prepared
 
 
-def prepare_stage_lengths(data: DataConfig, stages: list[StageConfig], tokenizer_dir: str) -> dict[int, dict[str, str]]:
+def prepare_stage_lengths(data: DataConfig, stages: list[StageConfig], tokenizer_dir: str,
+                          run_name: str = "") -> dict[int, dict[str, str]]:  # fmt: skip
     """Stages with their own seq_len read their sources packed at that length: prepare those too.
 
     Each length is its own cached output (seq_len is part of a source's hash), so this costs one
@@ -141,7 +142,8 @@ def prepare_stage_lengths(data: DataConfig, stages: list[StageConfig], tokenizer
     for seq_len, names in sorted(wanted.items()):
         sources = [s for s in data.sources if s.name in names]
         subset = data.model_copy(update={"seq_len": seq_len, "sources": sources, "tokenizer": tokenizer})
-        prepared = prepare_sources.with_options(flow_run_name=f"prepare-sources-seq{seq_len}")(subset)
+        name = f"prepare-{run_name}-seq{seq_len}" if run_name else f"prepare-sources-seq{seq_len}"
+        prepared = prepare_sources.with_options(flow_run_name=name)(subset)
         streams[seq_len] = {name: str(src.path) for name, src in prepared.sources.items()}
     return streams
 
@@ -169,10 +171,14 @@ class RecipeData(BaseModel):
         return "\n".join(lines)
 
 
-def prepare_recipe_data(data: DataConfig, stages: list[StageConfig]) -> RecipeData:
-    """Prepare what `pretrain_pipeline` trains on: the same call serves `tessera prepare` and `tessera run`."""
-    prepared = prepare_sources(data)
-    return RecipeData(prepared=prepared, seq_len_streams=prepare_stage_lengths(data, stages, prepared.tokenizer.hf_dir))
+def prepare_recipe_data(data: DataConfig, stages: list[StageConfig], run_name: str = "") -> RecipeData:
+    """Prepare what `pretrain_pipeline` trains on: the same call serves `tessera prepare` and `tessera run`.
+
+    The subflow runs are named after `run_name` (`prepare-tiny`), not Prefect's random names.
+    """
+    prepared = prepare_sources.with_options(flow_run_name=f"prepare-{run_name}" if run_name else None)(data)
+    streams = prepare_stage_lengths(data, stages, prepared.tokenizer.hf_dir, run_name)
+    return RecipeData(prepared=prepared, seq_len_streams=streams)
 
 
 class PrepareParams(BaseModel):
@@ -183,10 +189,18 @@ class PrepareParams(BaseModel):
     )
 
 
-@flow(name="prepare_data", log_prints=True)
+def _prepare_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params")
+    params = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
+    return f"prepare-{Path(str(params.get('recipe', 'recipe'))).stem}"
+
+
+@flow(name="prepare_data", flow_run_name=_prepare_run_name, log_prints=True)
 def prepare_data(params: PrepareParams) -> RecipeData:
     """Tokenize every source a recipe trains on, at every seq_len its stages use; finished outputs are skipped."""
     from flows.recipe import load_recipe
 
     recipe = load_recipe(params.recipe)
-    return prepare_recipe_data(recipe.data, recipe.train.stages)
+    return prepare_recipe_data(recipe.data, recipe.train.stages, recipe.name)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, WithJsonSchema, field_validator
 
 from evaluation.config import EvalConfig
-from infra.config import Backend, ComputeConfig
+from infra.config import ComputeConfig
 from tasks.data.config import DataConfig
 from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
@@ -53,7 +54,7 @@ class Recipe(BaseModel):
         return value
 
     def content_hash(self) -> str:
-        """Stable hash of everything that defines the run; stored as the `recipe_hash` tag."""
+        """Stable hash of everything that defines the run; the run's `recipe_hash` tag and each version's record."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -194,44 +195,93 @@ def load_recipe(path: str | Path) -> Recipe:
     return parse_recipe(text, str(path))
 
 
+def _no_default(schema: dict) -> None:
+    schema.pop("default", None)
+
+
+def form_input(schema: dict) -> tuple:
+    """Annotations that show an optional field in the Prefect form as one plain input, starting empty.
+
+    Pydantic would write `anyOf: [<type>, null]` with `default: null`: the Prefect UI renders that as a
+    `str | None` switch that must be clicked before typing, and a plain input with a null default fails
+    its own validation ("None is not of type 'integer'"). With neither, a field left empty is not sent,
+    and the parameter model's default (None: the recipe's value) applies.
+    """
+    return WithJsonSchema(schema), Field(json_schema_extra=_no_default)
+
+
+class StageBudget(BaseModel):
+    """One row of the form's stage budgets."""
+
+    stage: str = Field(..., min_length=1, description="A stage name of the recipe (train.stages[].name).")
+    tokens: PositiveInt = Field(
+        ..., description="Tokens this stage trains on: a multiple of its global_batch_size x seq_len."
+    )
+
+
 class RecipeOverrides(BaseModel):
-    """Fields a person changes from the Prefect form without editing the recipe; null keeps the recipe's value.
+    """Fields a person changes from the Prefect form without editing the recipe; left empty, the recipe's value stays.
 
     Bounds are JSON-schema constraints, so the UI (and a deployment's enforced parameter schema)
-    rejects a bad value before any infrastructure starts; the recipe's own validation runs after.
+    rejects a bad value before any infrastructure starts; each description states them in words, and
+    the flow validates them again first thing (a run started with the UI's validation switched off).
     """
 
-    stage_tokens: dict[str, PositiveInt] | None = Field(
+    stage_tokens: Annotated[
+        list[StageBudget] | None,
+        *form_input({"type": "array", "items": StageBudget.model_json_schema()}),
+    ] = Field(
         None,
-        description="Token budget per curriculum stage, by stage name, e.g. {\"literary\": 65536}; "
-        "each must stay a multiple of that stage's global_batch_size x seq_len.",
+        title="Stage budgets (tokens)",
+        description="Token budget of curriculum stages, one row per stage to change (the others keep the "
+        "recipe's). Each budget is a positive multiple of that stage's global_batch_size x seq_len.",
     )
-    lr: float | None = Field(None, gt=0, le=1, description="Peak learning rate (train.optim.lr).")
-    eval_every: PositiveInt | None = Field(
-        None, description="Tokens between checkpoints; each is evaluated and registered (eval.every)."
+    lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
+        None, gt=0, le=1, title="Peak learning rate", description="Peak learning rate (train.optim.lr): above 0 and at most 1."
     )
-    backend: Backend | None = Field(None, description="Where training runs (compute.backend).")
-    procs_per_node: int | None = Field(
-        None, ge=1, le=64, description="Training processes (ranks) per node (compute.procs_per_node)."
+    eval_every: Annotated[PositiveInt | None, *form_input({"type": "integer", "minimum": 1})] = Field(
+        None,
+        title="Checkpoint every (tokens)",
+        description="Tokens between checkpoints, each evaluated and registered (eval.every): a positive multiple "
+        "of global_batch_size x seq_len.",
     )
-    tracking_uri: str | None = Field(
+    backend: Literal["recipe", "local", "kubernetes"] = Field(
+        "recipe",
+        description="Where training runs (compute.backend): `recipe` keeps the recipe's choice, `local` trains in "
+        "processes on the worker's machine, `kubernetes` in pods.",
+    )
+    procs_per_node: Annotated[int | None, *form_input({"type": "integer", "minimum": 1, "maximum": 64})] = Field(
+        None, ge=1, le=64, title="Ranks per node",
+        description="Training processes (ranks) per node (compute.procs_per_node): 1 to 64."
+    )
+    tracking_uri: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
         None,
         min_length=1,
-        description="MLflow tracking and registry URI (tracking.tracking_uri), e.g. http://127.0.0.1:5000.",
+        title="MLflow tracking URI",
+        description="MLflow tracking and registry URI (tracking.tracking_uri), e.g. http://127.0.0.1:5000 or "
+        "sqlite:///path/mlflow.db.",
     )
+
+    @field_validator("stage_tokens", mode="before")
+    @classmethod
+    def _rows_from_a_mapping(cls, value):
+        # the CLI, the tests and older deployments say {"stage": tokens}; the form says rows
+        if isinstance(value, dict):
+            return [{"stage": k, "tokens": v} for k, v in value.items()]
+        return value
 
     def updates(self) -> dict[tuple[str, ...], object]:
         """The recipe paths this form changes, and their new values."""
         fields = {
             ("train", "optim", "lr"): self.lr,
             ("eval", "every"): self.eval_every,
-            ("compute", "backend"): self.backend,
+            ("compute", "backend"): None if self.backend == "recipe" else self.backend,
             ("compute", "procs_per_node"): self.procs_per_node,
             ("tracking", "tracking_uri"): self.tracking_uri,
         }
         out = {path: value for path, value in fields.items() if value is not None}
-        for stage, tokens in (self.stage_tokens or {}).items():
-            out[("train", "stages", stage, "tokens")] = tokens
+        for row in self.stage_tokens or []:
+            out[("train", "stages", row.stage, "tokens")] = row.tokens
         return out
 
 

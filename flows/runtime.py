@@ -21,6 +21,13 @@ def quiet_environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry
     # The gauntlet's and the tracking retries' own log lines (progress, outages) belong in the run's log too.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "evaluation,tessera")
+    os.environ.setdefault(*PREFECT_SERVER_OUTAGE)
+
+
+# A Prefect server that restarts (or is down a minute) must not fail a run that trains for days: every
+# engine call (a task run starting, a state change) retries with backoff 2, 4, ... 2^N s. Prefect's 5
+# retries ride out about one minute; 8 ride out several (tests/test_server_restart.py: 70 s down).
+PREFECT_SERVER_OUTAGE = ("PREFECT_CLIENT_MAX_RETRIES", "8")
 
 
 def bad_input_types() -> tuple[type[BaseException], ...]:

@@ -30,6 +30,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deploy import PROJECT_ROOT, QUIET_ENV, Deployed, DeployError, Project, deploy, ensure_pool, load_project
 from flows.recipe import Recipe, load_recipe
+from flows.runtime import PREFECT_SERVER_OUTAGE
 from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
 from tasks.tracking import resolved_uri
 
@@ -51,6 +52,7 @@ OFFLINE_ENV = {
     "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_CLIENT_MAX_RETRIES": PREFECT_SERVER_OUTAGE[1],  # flow runs ride out a server restart
     **QUIET_ENV,
 }
 
@@ -101,6 +103,8 @@ class _Stack:
     services: dict[str, Service] = field(default_factory=dict)
     hurry: bool = False
     errors: ErrorReporter = field(default_factory=lambda: ErrorReporter([], _say))
+    api: str | None = None  # the Prefect API, once it answers: flow runs stopped here are told why
+    why: str = "stopped by `tessera up` shutting down"
 
     def start(self, service: Service) -> Service:
         with open(service.log, "wb") as out:
@@ -175,6 +179,7 @@ class _Stack:
                    for p in _tree(self.services[name].process.pid)}  # fmt: skip
         # flow runs (their own sessions: no group signal reaches them), their trainers, a deploy under way
         rest = {p.pid: p for p in worker_tree[1:] + me.children(recursive=True) if p.pid not in servers}
+        self._tell_flow_runs(list(rest.values()))
         self._terminate(list(rest.values()), FLOW_RUN_GRACE_S)
         # the servers last, so the flow runs above could still report their final state
         trees = [p for name in ("mlflow", "prefect-server") if name in self.services
@@ -183,6 +188,20 @@ class _Stack:
         self._terminate(me.children(recursive=True), 0)  # anything that outlived its parent's signal
         for service in self.services.values():
             service.process.poll()
+
+    def _tell_flow_runs(self, procs: list[psutil.Process]) -> None:
+        """Mark each flow run about to be stopped Cancelling, saying why: the flow ends Cancelled with that
+        message instead of Crashed with none (flows/outcome.py reads it)."""
+        if not self.api:
+            return
+        runs = set()
+        for proc in procs:
+            with suppress(psutil.Error):
+                runs.add(proc.environ().get("PREFECT__FLOW_RUN_ID"))
+        for run in sorted(r for r in runs if r):
+            state = {"type": "CANCELLING", "name": "Cancelling", "message": self.why}
+            with suppress(httpx.HTTPError):
+                httpx.post(f"{self.api}/flow_runs/{run}/set_state", json={"state": state, "force": True}, timeout=5)
 
     def _terminate(self, procs: list[psutil.Process], grace: float) -> None:
         _signal(procs, signal.SIGTERM)
@@ -372,6 +391,7 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
         if plan.mlflow:
             stack.start(plan.mlflow)
         stack.wait_for(plan.server, lambda: _answers(f"{plan.api}/health"))
+        stack.api = plan.api
         since = datetime.now(timezone.utc).replace(microsecond=0).isoformat()  # this session's heartbeats only
         try:
             with temporary_settings({PREFECT_API_URL: plan.api}):
@@ -387,8 +407,10 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
         _print_ready(time.monotonic() - started, plan, deployed, stack)
         quiet_stop = False
         code = stack.supervise()
-    except _Stopped:
+    except _Stopped as stop:
         code, quiet_stop = 0, False
+        name = "Ctrl-C" if stop.args and stop.args[0] == signal.SIGINT else "SIGTERM"
+        stack.why = f"stopped by `tessera up` shutting down ({name})"
     finally:
         for sig in previous:  # a second Ctrl-C while stopping skips the grace periods
             signal.signal(sig, lambda *_: setattr(stack, "hurry", True))

@@ -8,6 +8,7 @@ compute.kubernetes.eval_concurrency at once, so the flow never loads the model i
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -82,7 +83,8 @@ def evaluate_checkpoint(
     create_markdown_artifact(
         key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
         markdown=report.to_markdown(title),
-        description=f"Eval gauntlet of {checkpoint.path}",
+        # the file's name, not its path: the flow scores a pin (a hard link) that is gone once registered
+        description=f"{report.headline} {report.average:.4f}: {title}, checkpoint {Path(checkpoint.path).name}",
     )
     logger.info("%s: average %.4f (%d examples in %.1fs)", title, report.average, report.examples, report.seconds)
     return EvalSummary(

@@ -21,6 +21,7 @@ from typing import Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
+from prefect.states import Cancelled
 
 from infra import backend_for, stopping
 from infra.config import ComputeConfig
@@ -40,10 +41,6 @@ class TrainingFailed(RuntimeError):
 
 class TrainingFatal(TrainingFailed):
     """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
-
-
-class TrainingStopped(TrainingFailed):
-    """The flow itself stopped the job (it failed elsewhere, or was cancelled); nothing to retry here."""
 
 
 class PreemptionBudgetSpent(TrainingFailed):
@@ -88,7 +85,7 @@ def _run_once(job, relay: ProgressRelay) -> int:
         relay.close()
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent, TrainingStopped), cache_policy=NO_CACHE,
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent), cache_policy=NO_CACHE,
       task_run_name="train-{stage_name}")  # fmt: skip
 def train_stage(
     job_path: str,
@@ -99,7 +96,8 @@ def train_stage(
     run_name: str = "",
     holder: str = "",
 ) -> int:
-    """Run stage `stage_index` of the job to its end; returns the job's exit code (0).
+    """Run stage `stage_index` of the job to its end; returns the job's exit code (0), or a Cancelled state
+    when the flow stopped the job.
 
     `holder` names this flow run in the trainer's lease, so a second trainer of the same run
     says who is training it.
@@ -121,7 +119,8 @@ def train_stage(
         if kind == "ok":
             return code
         if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
-            raise TrainingStopped(f"stage {stage_name}: the trainer was stopped because its flow run is ending")
+            # a stop is not this task's failure: grey Cancelled, not red Failed, in the run's graph
+            return Cancelled(message=f"stage {stage_name}: the trainer was stopped because its flow run is ending")
         last = next((line for line in reversed(job.tail().splitlines()) if line.strip()), "")
         if kind == "preempted" and preemptions < compute.max_preemptions:
             preemptions += 1

@@ -14,24 +14,67 @@ import time
 from collections.abc import Iterable
 from uuid import UUID
 
+from collections import deque
+
 from tasks.artifacts import artifact_key
-from trainers.progress import parse_progress
+from trainers.progress import parse_progress, parse_start
 
 # At least this often a running stage says where it is, even when the trainer prints more often.
 RELAY_EVERY_S = 15.0
+# The rate behind the ETA is taken over this much of the launch's training time: a gauntlet or a
+# checkpoint save on the same machine slows single windows several-fold, and an ETA read off one
+# window jumped from 2 to 18 minutes between consecutive lines.
+RATE_WINDOW_S = 120.0
 
 
-def describe(p: dict) -> str:
-    """One progress line a person can read at a glance."""
+def describe(p: dict, rate: float | None = None) -> str:
+    """One progress line a person can read at a glance; `rate` (tokens/s) defaults to the line's own."""
     start, end, tokens = p["stage_start"], p["stage_end"], p["tokens"]
     done = (tokens - start) / max(1, end - start)
-    rate = p.get("tokens_per_sec") or 0.0
+    rate = rate if rate is not None else (p.get("tokens_per_sec") or 0.0)
     eta = f"ETA {_duration((end - tokens) / rate)}" if rate > 0 and tokens < end else "stage end"
     loss = "n/a" if p.get("loss") is None else f"{p['loss']:.4f}"
     return (
         f"stage {p['stage']}: step {p['step']:,}, {tokens - start:,}/{end - start:,} tokens ({done:.0%}), "
         f"loss {loss}, {rate:,.0f} tok/s, {eta}"
     )
+
+
+def describe_start(run_name: str, s: dict) -> str:
+    """Where a launch starts, in words: the resume line of the run's log."""
+    where = f"the checkpoint at {s['tokens']:,} tokens (step {s['step']:,})"
+    written = f", written {s['written'].replace('T', ' ').replace('+00:00', ' UTC')}" if s.get("written") else ""
+    if s["kind"] == "resume":
+        return f"stage {s['stage']}: resuming run {run_name} from {where}{written}"
+    if s["kind"] == "enter":
+        return f"stage {s['stage']}: entering it from {where} that ended the stage before{written}"
+    if s["kind"] == "done":
+        return f"stage {s['stage']}: already complete at {s['tokens']:,} tokens; nothing to train"
+    base = f" from the weights of {s['init_from']}" if s.get("init_from") else ""
+    return f"stage {s['stage']}: starting run {run_name} fresh{base}"
+
+
+def progress_bar(fraction: float, width: int = 20) -> str:
+    filled = max(0, min(width, round(fraction * width)))
+    return "█" * filled + "░" * (width - filled)
+
+
+class Rate:
+    """Tokens per second over the last RATE_WINDOW_S of a launch's training time (the trainer's elapsed_s)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self.points: deque[tuple[float, int]] = deque()
+
+    def add(self, p: dict) -> float | None:
+        elapsed, tokens = float(p.get("elapsed_s") or 0.0), int(p["tokens"])
+        if self.points and elapsed < self.points[-1][0]:  # a relaunch: its clock starts again
+            self.points.clear()
+        self.points.append((elapsed, tokens))
+        while len(self.points) > 2 and elapsed - self.points[1][0] >= self.window_s:
+            self.points.popleft()
+        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+        return (n1 - n0) / (t1 - t0) if t1 - t0 >= 1.0 else None
 
 
 def _duration(seconds: float) -> str:
@@ -53,12 +96,19 @@ class ProgressRelay:
         self._artifact_id: UUID | None = None
         self._artifacts = artifacts
         self._bar = None
+        self._rate = Rate()
+        self._smoothed: float | None = None
 
     def feed(self, lines: Iterable[str]) -> None:
         for line in lines:
             progress = parse_progress(line)
             if progress is not None:
                 self.latest = progress
+                self._smoothed = self._rate.add(progress)
+                continue
+            start = parse_start(line)
+            if start is not None:
+                self.logger.info(describe_start(self.run_name, start))
         self._update_bar()
         if self.latest is not None and time.monotonic() - self._last_report >= self.every_s:
             self.report()
@@ -68,7 +118,7 @@ class ProgressRelay:
         p = self.latest
         if p is None or p is self._reported:
             return
-        self.logger.info(describe(p))
+        self.logger.info(describe(p, self._smoothed))
         self._reported, self._last_report = p, time.monotonic()
         if self._artifacts:
             self._move_artifact(p)
@@ -76,8 +126,9 @@ class ProgressRelay:
     def _move_artifact(self, p: dict) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-        percent = 100.0 * (p["tokens"] - p["stage_start"]) / max(1, p["stage_end"] - p["stage_start"])
-        description = f"Run {self.run_name}, stage {self.stage}: {describe(p)}"
+        fraction = (p["tokens"] - p["stage_start"]) / max(1, p["stage_end"] - p["stage_start"])
+        percent = 100.0 * fraction
+        description = f"Run {self.run_name} {progress_bar(fraction)} {describe(p, self._smoothed)}"
         try:
             if self._artifact_id is None:
                 key = artifact_key(self.run_name, "train", self.stage)

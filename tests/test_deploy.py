@@ -336,6 +336,15 @@ def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
         assert sibling.poll() is None
         assert not answers(f"{api}/health") and not answers(f"http://127.0.0.1:{mlflow_port}/health")
         assert output.read_text().splitlines()[-2:] == ["tessera up: stopping ...", "tessera up: stopped"]
+        # the flow run says why it ended, in its final state (read from the stopped server's database)
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "work" / "prefect" / "prefect.db") as db:
+            rows = db.execute("SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr "
+                              "JOIN flow_run_state s ON s.id = fr.state_id").fetchall()  # fmt: skip
+        assert rows == [("CANCELLED", "Cancelled", "stopped by `tessera up` shutting down (SIGTERM): every rank of run "
+                         "'tiny' was stopped; its last complete checkpoint stays, and a rerun of the same run name "
+                         "resumes from it")]  # fmt: skip
     finally:
         if up.poll() is None:
             stop_tree(started_by(up.pid))

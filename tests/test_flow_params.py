@@ -7,11 +7,12 @@ import logging
 
 import pytest
 
+from flows.outcome import form_values
 from flows.pipeline import PipelineParams
-from flows.recipe import RecipeError, apply_overrides, load_recipe
+from flows.recipe import NAME_PATTERN, RecipeError, apply_overrides, load_recipe
 from tasks.train import exit_kind
 from tasks.artifacts import artifact_key
-from tasks.train_progress import ProgressRelay, describe
+from tasks.train_progress import ProgressRelay, Rate, describe, progress_bar
 from tests.conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -43,17 +44,44 @@ def test_an_override_the_recipe_rejects_is_one_line_naming_it():
     assert "stage_tokens: no stage named 'poems' (stages: literary, stories)" in str(info.value)
 
 
-def test_form_bounds_are_json_schema_constraints():
+def test_form_fields_are_plain_inputs_whose_bounds_are_schema_constraints_and_said_in_words():
     """The UI (and an enforced deployment schema) rejects these before any infrastructure starts."""
     schema = PipelineParams.model_json_schema()
     props = schema["properties"]
     assert list(props)[:2] == ["recipe", "run_name"]
-    assert props["lr"]["anyOf"][0] == {"exclusiveMinimum": 0, "maximum": 1, "type": "number"}
-    assert props["procs_per_node"]["anyOf"][0]["minimum"] == 1
+    assert schema["required"] == ["recipe"]
+    # one plain input each, starting empty: no `str | None` switch, no null default the UI would reject
+    assert {k: v for k, v in props["lr"].items() if k not in ("title", "description")} == {
+        "exclusiveMinimum": 0, "maximum": 1, "type": "number"}  # fmt: skip
+    assert "above 0 and at most 1" in props["lr"]["description"]
+    assert (props["procs_per_node"]["minimum"], props["procs_per_node"]["maximum"]) == (1, 64)
+    assert "1 to 64" in props["procs_per_node"]["description"]
+    assert not [k for k, v in props.items() if "anyOf" in v or v.get("default", "unset") is None]
+    assert props["run_name"]["pattern"] == NAME_PATTERN and "names the tessera run" in props["run_name"]["description"]
+    assert props["backend"]["enum"] == ["recipe", "local", "kubernetes"] and props["backend"]["default"] == "recipe"
     assert props["if_running"]["enum"] == ["refuse", "wait"]
+    rows = props["stage_tokens"]
+    assert rows["type"] == "array" and rows["items"]["required"] == ["stage", "tokens"]
     assert all(props[name].get("description") for name in props)
     with pytest.raises(ValueError):
         PipelineParams(recipe=str(TINY), lr=0)
+
+
+def test_a_value_the_form_should_have_refused_is_one_line_in_the_flow():
+    """The UI's "Validate parameters" switched off: the flow checks the same bounds first thing."""
+    with pytest.raises(RecipeError) as info:
+        form_values(PipelineParams, {"recipe": "configs/tiny.yaml", "lr": 5})
+    assert str(info.value) == ("form field lr 5: Input should be less than or equal to 1 (Peak learning rate "
+                               "(train.optim.lr): above 0 and at most 1.)")  # fmt: skip
+    with pytest.raises(RecipeError, match=r"^form field stage_tokens.0.tokens -8: Input should be greater than 0"):
+        form_values(PipelineParams, {"recipe": "r.yaml", "stage_tokens": [{"stage": "literary", "tokens": -8}]})
+    with pytest.raises(RecipeError, match=r"^form field recipe: Field required \(Path to the recipe YAML"):
+        form_values(PipelineParams, {})
+    # the CLI, the tests and deployments made before the form had rows pass a mapping: the same budgets
+    rows = form_values(PipelineParams, {"recipe": "r.yaml", "stage_tokens": {"stories": 8192}}).stage_tokens
+    assert [(r.stage, r.tokens) for r in rows] == [("stories", 8192)]
+    params = PipelineParams(recipe="r.yaml")
+    assert form_values(PipelineParams, params) is params
 
 
 def test_tracked_params_name_every_stage_and_the_optimizer():
@@ -92,6 +120,39 @@ def test_relay_reports_the_newest_progress_at_a_bounded_rate(caplog):
     assert lines == [describe(json.loads(_line(1024)[len("tessera.progress "):])),
                      describe(json.loads(_line(16384)[len("tessera.progress "):]))]  # fmt: skip
     assert lines[1] == "stage literary: step 16, 16,384/32,768 tokens (50%), loss 7.2500, 1,000 tok/s, ETA 16s"
+
+
+def _start(kind: str, tokens: int, **extra) -> str:
+    record = {"stage": "literary", "stage_index": 0, "kind": kind, "tokens": tokens, "step": tokens // 1024,
+              "checkpoint": f"/ck/ep0-ba{tokens // 1024}.pt" if tokens else None,
+              "written": "2026-11-25T10:57:12+00:00" if tokens else None, **extra}  # fmt: skip
+    return "tessera.start " + json.dumps(record)
+
+
+def test_the_log_says_where_each_launch_starts(caplog):
+    logger = logging.getLogger("test.relay.start")
+    with caplog.at_level(logging.INFO, logger="test.relay.start"):
+        for line in (_start("fresh", 0), _start("resume", 16384), _start("done", 32768),
+                     _start("fresh", 0, init_from="models:/tessera-tiny/2")):  # fmt: skip
+            ProgressRelay(logger, "chain", "literary", artifacts=False).feed(["noise", line])
+    assert [r.getMessage() for r in caplog.records] == [
+        "stage literary: starting run chain fresh",
+        "stage literary: resuming run chain from the checkpoint at 16,384 tokens (step 16), written 2026-11-25 10:57:12 UTC",
+        "stage literary: already complete at 32,768 tokens; nothing to train",
+        "stage literary: starting run chain fresh from the weights of models:/tessera-tiny/2",
+    ]
+
+
+def test_the_eta_follows_the_rate_over_minutes_not_one_window():
+    """A gauntlet slowing one 10 s window six-fold moves the ETA by seconds, not from 2 to 18 minutes."""
+    rate = Rate(window_s=120)
+    tokens = 0
+    for second in range(10, 130, 10):  # 1000 tok/s, then one slow window
+        tokens += 10_000 if second != 120 else 1_600
+        smoothed = rate.add({"tokens": tokens, "elapsed_s": float(second)})
+    assert 900 < smoothed < 1000
+    assert rate.add({"tokens": 0, "elapsed_s": 1.0}) is None  # a relaunch starts its own clock
+    assert progress_bar(0.5, 10) == "█████░░░░░" and progress_bar(1.2, 4) == "████"
 
 
 def test_artifact_keys_are_what_prefect_accepts():

@@ -25,7 +25,8 @@ DEPLOYMENT = "pretrain_pipeline/pretrain"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 # A shorter curriculum for the runs that are interrupted: 32 steps, a checkpoint (and gauntlet) every 8,
 # so the first stage has checkpoints at 8192 and 16384 tokens before its end at 24576.
-SHORT = {"stage_tokens": {"literary": 24576, "stories": 8192}, "eval_every": 8192}
+SHORT = {"stage_tokens": [{"stage": "literary", "tokens": 24576}, {"stage": "stories", "tokens": 8192}],
+         "eval_every": 8192}  # fmt: skip
 
 
 def _api(stack, method: str, path: str, **kw):
@@ -124,6 +125,10 @@ def interrupted(live_stack):
         time.sleep(0.5)
     seen["cancel_stop_s"] = time.monotonic() - cancelled_at
     seen["cancelled"] = wait_state(stack, first, {"CANCELLED"}, timeout=120)
+    seen["cancelled_s"] = time.monotonic() - cancelled_at
+    seen["cancel_tasks"] = {t["name"]: (t["state"]["type"], t["state"]["message"]) for t in
+                            _api(stack, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}})}
+    seen["cancel_logs"] = logs(stack, first)
     seen["after_cancel"] = mlflow_run(stack, name)
 
     second = trigger(stack, run_name=name, if_running="wait", **SHORT)
@@ -143,13 +148,22 @@ def interrupted(live_stack):
 
     third = trigger(stack, run_name=name, if_running="wait", **SHORT)  # waits out the dead run's lease if needed
     seen["resumed"] = wait_state(stack, third, {"COMPLETED"})
+    seen["after_resume"] = mlflow_run(stack, name)
+    seen["resume_logs"] = logs(stack, third)
     seen["logs"] = {stage: launches(stack, name, stage) for stage in ("literary", "stories")}
     return seen
 
 
 def test_cancel_from_the_ui_stops_every_rank_and_marks_the_mlflow_run(interrupted):
     assert interrupted["cancel_stop_s"] < 30, f"trainer still alive {interrupted['cancel_stop_s']:.0f} s after cancel"
-    assert interrupted["cancelled"]["state"]["type"] == "CANCELLED"
+    state = interrupted["cancelled"]["state"]
+    assert (state["type"], state["name"]) == ("CANCELLED", "Cancelled")
+    assert state["message"].startswith("cancelled: every rank of run 'chain' was stopped; its last complete checkpoint")
+    # Cancelled within seconds of the ranks being gone, said by the flow itself, not a red failure anywhere
+    assert interrupted["cancelled_s"] - interrupted["cancel_stop_s"] < 10, interrupted["cancelled_s"]
+    assert interrupted["cancel_tasks"]["train-literary"][0] == "CANCELLED", interrupted["cancel_tasks"]
+    assert not [name for name, (kind, _) in interrupted["cancel_tasks"].items() if kind in ("FAILED", "CRASHED")]
+    assert "Finished in state Running()" not in interrupted["cancel_logs"]
     run = interrupted["after_cancel"]
     # the flow's own handler and Prefect's on_cancellation hook both say so; whichever wrote last
     assert run.info.status == "KILLED" and "cancel" in run.data.tags["tessera.end"].lower()
@@ -181,11 +195,12 @@ def test_two_clicks_on_one_run_name_train_once(live_stack, interrupted):
             assert time.monotonic() < deadline
             time.sleep(2)
         ends[run_id] = state
-    kinds = sorted(s["state"]["type"] for s in ends.values())
-    assert kinds == ["COMPLETED", "FAILED"], kinds
-    refused = next(s for s in ends.values() if s["state"]["type"] == "FAILED")
+    kinds = sorted((s["state"]["type"], s["state"]["name"]) for s in ends.values())
+    assert kinds == [("CANCELLED", "Refused"), ("COMPLETED", "Completed")], kinds  # a refusal, not a crash
+    refused = next(s for s in ends.values() if s["state"]["type"] == "CANCELLED")
     winner = next(s for s in ends.values() if s["state"]["type"] == "COMPLETED")
-    assert f"run 'twin' is already running in flow run 'twin' ({winner['id']}" in refused["state"]["message"]
+    assert refused["state"]["message"].startswith(f"run 'twin' is already running in flow run 'twin' ({winner['id']}")
+    assert "Traceback" not in logs(stack, refused["id"])
     # one trainer went through the folder: one fresh start, no resume, and the weights of an uninterrupted
     # run, which the cancelled, killed and twice resumed `chain` must also have reached bit for bit
     assert launches(stack, "twin", "literary").count("fresh at 0 tokens") == 1
@@ -252,6 +267,15 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
     refused = httpx.post(f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run", timeout=30,
                          json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}})  # fmt: skip
     assert refused.status_code == 409 and "lr" in refused.text  # no flow run was created at all
+    # the UI's "Validate parameters" switched off: the flow checks the same bounds first thing, in one line
+    unchecked = _api(stack, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                     json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}},
+                           "enforce_parameter_schema": False})  # fmt: skip
+    run = wait_state(stack, unchecked["id"], {"FAILED"}, timeout=300)
+    assert run["state"]["message"].endswith(
+        "RecipeError: form field lr 5: Input should be less than or equal to 1 (Peak learning rate "
+        "(train.optim.lr): above 0 and at most 1.)")  # fmt: skip
+    assert "Traceback" not in logs(stack, unchecked["id"])
     run_id = trigger(stack, recipe="configs/no-such-recipe.yaml")
     deadline = time.monotonic() + 300
     while (run := flow_run(stack, run_id))["state"]["type"] not in TERMINAL:

@@ -35,6 +35,7 @@ from trainers.optimizer_seed import seed_optimizer
 from trainers.remote import fetch_folder
 from trainers.layout import RunFolder
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
+from trainers.progress import format_start
 from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
@@ -131,6 +132,25 @@ def _run_and_post(store, key: str, work: Callable[[], object]) -> None:
         _post(store, key, None, exc)
         if not isinstance(exc, (FatalError, RetryableError)):  # those are raised again by _read, on every rank
             raise
+
+
+def _say_start(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
+    """The launch's start line (trainers/progress.py): the flow tells the person watching where it resumed."""
+    import datetime as dt
+    import sys
+
+    stage = job.stage(stage_index)
+    ckpt = plan.checkpoint or {}
+    written = None
+    if ckpt.get("path"):
+        with contextlib.suppress(OSError):
+            mtime = Path(ckpt["path"]).stat().st_mtime
+            written = dt.datetime.fromtimestamp(mtime, dt.UTC).isoformat(timespec="seconds")
+    record = {"stage": stage.name, "stage_index": stage_index,
+              "kind": "done" if plan.tokens >= stage.end else plan.kind, "tokens": plan.tokens,
+              "step": ckpt.get("batch", 0), "checkpoint": ckpt.get("path"), "written": written,
+              "init_from": job.model.init_from if plan.kind == "fresh" else None}  # fmt: skip
+    print(format_start(record), file=sys.stdout, flush=True)
 
 
 def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
@@ -244,6 +264,8 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 
         dist.barrier()
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
+    if world()[0] == 0:
+        _say_start(job, stage_index, plan)
     if plan.tokens >= stage.end:
         log.info("stage %s is already complete", stage.name)
         return None

@@ -15,6 +15,12 @@ Fields of a line:
 
 A launch prints one after its first step, then at most every TESSERA_PROGRESS_S seconds
 (default 10), and one after the step that ends the stage.
+
+Before any of them, rank 0 prints one `tessera.start {json}` line saying where the launch starts:
+    stage, stage_index      the stage this launch trains
+    kind                    fresh | resume | enter (trainers/plan.py) | done (the stage was complete)
+    tokens, step            the run's tokens and optimizer steps at the start point
+    checkpoint              the checkpoint loaded (null when fresh), and `written`, its time (UTC ISO 8601)
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import math
 from collections.abc import Mapping
 
 PREFIX = "tessera.progress"
+START_PREFIX = "tessera.start"
+START_FIELDS = ("stage", "stage_index", "kind", "tokens", "step", "checkpoint", "written")
 INTERVAL_ENV = "TESSERA_PROGRESS_S"
 DEFAULT_INTERVAL_S = 10.0
 FIELDS = ("stage", "stage_index", "step", "tokens", "stage_start", "stage_end", "loss", "tokens_per_sec", "elapsed_s")
@@ -45,5 +53,24 @@ def parse_progress(line: str) -> dict | None:
     except ValueError:
         return None
     if not isinstance(record, dict) or not all(k in record for k in FIELDS):
+        return None
+    return record
+
+
+def format_start(record: Mapping[str, object]) -> str:
+    """The one start line of a launch, for a record holding START_FIELDS."""
+    return f"{START_PREFIX} {json.dumps(dict(record), separators=(',', ':'))}"
+
+
+def parse_start(line: str) -> dict | None:
+    """The record of a start line, or None for any other line."""
+    text = line.strip()
+    if not text.startswith(START_PREFIX + " "):
+        return None
+    try:
+        record = json.loads(text[len(START_PREFIX) + 1 :])
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not all(k in record for k in START_FIELDS):
         return None
     return record

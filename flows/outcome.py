@@ -1,0 +1,75 @@
+"""How a training flow run ends, as the person watching it should read it.
+
+Prefect would paint a refused double click and a cancel from the UI alike: red, with a traceback or
+"Finished in state Running()". Here a flow's body runs through `run_to_state`, which turns
+- a refusal (another flow run holds the run name) into the state *Refused* (of type Cancelled, grey),
+  with the one-line reason as its message;
+- a stop (Prefect's SIGTERM: *Cancel* in the UI, or `tessera up` shutting down) into *Cancelled*, with
+  what stopped it and what is left, once the body has stopped the trainer and closed the MLflow run.
+The flow process proposes that state itself, so the UI shows it as soon as the trainer is gone
+instead of when the worker gets round to it.
+
+Form values are validated here too, first thing in the flow, in one line: a run started from the UI
+with its *Validate parameters* switch off still gets the form's bounds checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from flows.recipe import RecipeError
+
+REFUSED = "Refused"
+STOPPED_BY_UP = "stopped by `tessera up` shutting down"
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def form_values(model: type[M], raw: object) -> M:
+    """The flow's parameter model from what the form sent; a bad value is one line naming the field and its bounds."""
+    if isinstance(raw, model):
+        return raw
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        field = model.model_fields.get(str(loc[0])) if loc else None
+        name = ".".join(str(p) for p in loc) or "params"
+        value = f" {err['input']!r}" if loc and not isinstance(err.get("input"), dict) else ""
+        hint = f" ({field.description})" if field and field.description else ""
+        raise RecipeError(f"form field {name}{value}: {err['msg']}{hint}") from None
+
+
+def _stop_reason() -> str:
+    """Why the flow run is being stopped: the message of its Cancelling state, when someone gave one."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+    except Exception:  # noqa: BLE001 - the reason is a nicety; the stop goes ahead without it
+        return ""
+    return (state.message or "") if state is not None and state.is_cancelling() else ""
+
+
+def run_to_state(run_name: str, body: Callable[[], T]):
+    """`body()`'s result, or the Refused or Cancelled state that says how it ended instead."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.states import Cancelled
+
+    from tasks.exclusive import RunBusy
+
+    try:
+        return body()
+    except RunBusy as exc:
+        return Cancelled(name=REFUSED, message=str(exc))
+    except TerminationSignal:
+        why = _stop_reason() or "cancelled"
+        return Cancelled(message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
+                                 "stays, and a rerun of the same run name resumes from it")  # fmt: skip
