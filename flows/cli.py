@@ -323,11 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cancelled_run() -> type[BaseException]:
+def _flow_run_ended() -> type[BaseException]:
     # evaluated only when an exception reaches main(): `tessera --help` need not import Prefect
-    from prefect.exceptions import CancelledRun
+    from prefect.exceptions import Abort
 
-    return CancelledRun
+    return Abort
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,9 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _cancelled_run() as exc:  # refused (the run name is live elsewhere) or stopped: the state's message says which
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: flows/outcome.py
+        from flows.outcome import ended_message
+
+        ended = ended_message(exc)
+        if ended is None:
+            raise
+        print(f"tessera: error: {ended[0]}", file=sys.stderr)
+        return EXIT_BAD_INPUT if ended[1] else EXIT_FAILED
     except bad_input_types() as exc:
         from tasks.tracking import TrackingUnavailable
         from tasks.train import TrainingFailed, TrainingFatal

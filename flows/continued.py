@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from flows.evaluate import score_model
 from flows.pipeline import PipelineResult, RunTarget, run_pipeline
 from flows.prepare import prepare_sources
-from flows.outcome import form_values, run_to_state
+from flows.outcome import form_values, run_or_end
 from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
 from tasks import ledger
@@ -270,15 +270,12 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
                 run_name, budget, 100 * params.replay_fraction, ", ".join(recipe.train.stages[-1].mixture),
                 continued.train.optim.lr, continued.train.optim.warmup_tokens, params.schedule)  # fmt: skip
 
-    outcome = run_to_state(run_name, lambda: run_pipeline(
+    result = run_or_end(run_name, lambda: run_pipeline(
         continued, run_name, params.recipe, params.if_running,
         run_tags={ledger.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
                   "tessera.new_files": str(len(fresh))},
         version_tags={"continued_from": f"v{version}"},
     ))  # fmt: skip
-    if not isinstance(outcome, PipelineResult):  # refused or stopped: that state is how this run ends
-        return outcome
-    result = outcome
     from tasks.register import best_of_run
 
     client = client_for(continued.tracking)

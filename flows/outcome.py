@@ -1,7 +1,7 @@
 """How a training flow run ends, as the person watching it should read it.
 
 Prefect would paint a refused double click and a cancel from the UI alike: red, with a traceback or
-"Finished in state Running()". Here a flow's body runs through `run_to_state`, which turns
+"Finished in state Running()". Here a flow's body runs through `run_or_end`, which turns
 - a refusal (another flow run holds the run name) into the state *Refused* (of type Cancelled, grey),
   with the one-line reason as its message;
 - a stop (Prefect's SIGTERM: *Cancel* in the UI, or `tessera up` shutting down) into *Cancelled*, with
@@ -16,7 +16,7 @@ with its *Validate parameters* switch off still gets the form's bounds checked.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -58,8 +58,28 @@ def _stop_reason() -> str:
     return (state.message or "") if state is not None and state.is_cancelling() else ""
 
 
-def run_to_state(run_name: str, body: Callable[[], T]):
-    """`body()`'s result, or the Refused or Cancelled state that says how it ended instead."""
+def _end_as(state) -> NoReturn:
+    """End this flow run in `state` now, without the engine's error log.
+
+    Returning a Cancelled state from the flow would do, except that Prefect's engine then raises it as
+    CancelledRun and logs "Engine execution exited with unexpected exception" with a traceback, red in
+    the run's log, and the flow process exits 1. So the state is set through the API, and the engine is
+    told the run is over the way the API itself tells it: Abort, carrying that state, which the engine
+    reports as the run's final state and exits 0 on.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import Abort
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        result = client.set_flow_run_state(flow_run.id, state, force=True)
+    signal = Abort(state.message)
+    signal.state = result.state or state  # the engine's "Finished in state ..." and its outcome report
+    raise signal
+
+
+def run_or_end(run_name: str, body: Callable[[], T]) -> T:
+    """`body()`'s result; a refusal or a stop ends the flow run in the state that says so instead."""
     from prefect.exceptions import TerminationSignal
     from prefect.states import Cancelled
 
@@ -68,8 +88,18 @@ def run_to_state(run_name: str, body: Callable[[], T]):
     try:
         return body()
     except RunBusy as exc:
-        return Cancelled(name=REFUSED, message=str(exc))
+        _end_as(Cancelled(name=REFUSED, message=str(exc)))
     except TerminationSignal:
         why = _stop_reason() or "cancelled"
-        return Cancelled(message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
-                                 "stays, and a rerun of the same run name resumes from it")  # fmt: skip
+        _end_as(Cancelled(message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
+                                  "stays, and a rerun of the same run name resumes from it"))  # fmt: skip
+
+
+def ended_message(exc: BaseException) -> tuple[str, bool] | None:
+    """For the CLI: (message, refused) when `exc` is a flow run ending as run_or_end ends it, else None."""
+    from prefect.exceptions import Abort
+
+    state = getattr(exc, "state", None) if isinstance(exc, Abort) else None
+    if state is None:
+        return None
+    return state.message or str(exc), state.name == REFUSED

@@ -15,6 +15,7 @@ from prefect import flow, tags
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+from flows.outcome import REFUSED, run_or_end
 from tasks.exclusive import RunBusy, _ensure_limit, holder_tag, limit_name, one_per_run, run_tag
 
 
@@ -88,3 +89,29 @@ def test_a_slot_a_live_flow_run_holds_is_never_reclaimed(prefect_harness):
     assert str(refused.value).startswith(f"run {name!r} is already running in flow run {held[0].name!r} ({held[0].id}")
     assert first["state"].is_completed()
     assert slots(name) == 0
+
+
+@flow(name="refused-probe")
+def refused_probe() -> str:
+    def body() -> str:
+        raise RunBusy("run 'x' is already running in flow run 'y'")
+
+    return run_or_end("x", body)
+
+
+def test_a_refusal_ends_the_flow_run_refused_with_its_reason_and_no_error_log(prefect_harness):
+    from prefect.exceptions import Abort
+
+    with pytest.raises(Abort) as ended:
+        refused_probe()
+    state = ended.value.state
+    assert (state.type.value, state.name, state.message) == ("CANCELLED", REFUSED, "run 'x' is already running in flow run 'y'")
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        stored = client.read_flow_run(flow_run_id).state
+    assert (stored.type.value, stored.name, stored.message) == ("CANCELLED", REFUSED, state.message)
+    deadline = time.monotonic() + 30
+    while "Finished in state Refused(" not in (text := flow_run_logs(flow_run_id)):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
+    assert "exited with unexpected exception" not in text and "Traceback" not in text
