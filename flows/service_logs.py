@@ -20,10 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPEAT_EVERY_S = 300.0
-MAX_LINE = 400
+MAX_LINE = 500
+# SQLite lets one writer in at a time, and a transaction that must upgrade to a write while another
+# writes fails at once instead of waiting: under load the Prefect server's heartbeat or state writes
+# sometimes do, and are retried by their callers. Worth saying, with what it means.
+SQLITE_CONTENTION = "(sqlite3.OperationalError) database is locked"
+CONTENTION_HINT = "SQLite write contention under load; the write is retried; a PostgreSQL database avoids it"
 
-# Prefect's console format: "10:42:06.237 | ERROR   | prefect.server.services.scheduler - message"
-_PREFECT = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| (?P<level>[A-Z]+)\s*\| (?P<logger>\S+) - (?P<message>.*)$")
+# Prefect's console format: "10:42:06.237 | ERROR   | prefect.server.services.scheduler - message"; a flow run's
+# own lines, which a process worker relays, name it instead of a logger: "| ERROR   | Flow run 'twin' - message"
+_PREFECT = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| (?P<level>[A-Z]+)\s*\| (?P<logger>.+?) - (?P<message>.*)$")
 # MLflow's server and its uvicorn: "2026/11/25 10:41:52 ERROR mlflow.server: message", "... ERROR:    message"
 _MLFLOW = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (?P<level>[A-Z]+):?\s+(?:(?P<logger>[\w.]+): )?(?P<message>.*)$")
 _ERROR_LEVELS = {"ERROR", "CRITICAL"}
@@ -41,6 +47,7 @@ class _Pending:
     message: str
     exception: str | None = None
     in_traceback: bool = False
+    after_frames: bool = False  # frames seen since the last "Traceback": the next unindented line is the exception
 
 
 @dataclass
@@ -107,11 +114,17 @@ class ServiceLog:
             if self._pending is None and not self._under_other:
                 self._pending = _Pending("", "a traceback, no log line before it (a crash?)")
             if self._pending is not None:
-                self._pending.in_traceback = True
+                self._pending.in_traceback, self._pending.after_frames = True, False
             return
         pending = self._pending
-        if pending is not None and pending.in_traceback and line.strip() and not line.startswith((" ", "\t")):
-            pending.exception = line.strip()  # the last unindented line is the exception (the final one if chained)
+        if pending is None or not pending.in_traceback or not line.strip():
+            return
+        if line.startswith((" ", "\t")):
+            pending.after_frames = True
+        elif pending.after_frames:
+            # the exception (the final one when chained); what follows it unindented is its detail, such as
+            # SQLAlchemy's [SQL: ...] and "(Background on this error at: ...)" lines
+            pending.exception, pending.after_frames = line.strip(), False
 
     def _close(self, found: list) -> None:
         if self._pending is not None:
@@ -162,6 +175,8 @@ class ErrorReporter:
         where = f"{logger}: " if logger else ""
         message = _DOCKET_PREFIX.sub("", message)
         text = f"{message} -> {exception}" if exception else message
+        if exception and SQLITE_CONTENTION in exception:
+            text += f" ({CONTENTION_HINT})"
         line = f"tessera up: {log.service} logged an error{repeats}: {where}{text}"
         if len(line) > MAX_LINE:
             line = line[: MAX_LINE - 3] + "..."

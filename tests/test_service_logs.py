@@ -72,6 +72,10 @@ def test_warnings_flow_run_output_and_info_tracebacks_are_not_errors(tmp_path):
         "Traceback (most recent call last):\n"
         '  File "x.py", line 1, in <module>\n'
         "ValueError: a flow's own failure\n"
+        "11:00:02.500 | ERROR   | Flow run 'twin' - Engine execution exited with unexpected exception\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 2, in <module>\n'
+        "ValueError: a flow's own failure, as the worker relays it\n"
         "11:00:03.000 | WARNING | prefect.workers.process.tessera-up@vm - Attempt 1 failed\n"
         "Traceback (most recent call last):\n"
         '  File "y.py", line 2, in <module>\n'
@@ -90,7 +94,7 @@ def test_warnings_flow_run_output_and_info_tracebacks_are_not_errors(tmp_path):
     ]
 
 
-def test_an_mlflow_error_and_a_crash_with_no_log_line_are_said_and_flushed_when_the_service_exits(tmp_path):
+def test_mlflow_errors_a_crash_with_no_log_line_and_chained_exceptions_are_said(tmp_path):
     mlflow = tmp_path / "mlflow.log"
     mlflow.write_text(
         "2026/11/25 10:41:49 INFO mlflow.store.db.utils: Creating initial MLflow database tables...\n"
@@ -101,12 +105,30 @@ def test_an_mlflow_error_and_a_crash_with_no_log_line_are_said_and_flushed_when_
         "2026/11/25 10:41:53 INFO:     Application startup complete.\n"
         "Traceback (most recent call last):\n"
         '  File "cli.py", line 1, in <module>\n'
-        "ModuleNotFoundError: No module named 'MySQLdb'"  # no newline: the process died mid-write
+        "ModuleNotFoundError: No module named 'MySQLdb'\n"
+        "2026/11/25 10:41:54 ERROR mlflow.server: Exception on /api/2.0/mlflow/runs/update\n"
+        "Traceback (most recent call last):\n"
+        '  File "base.py", line 2000, in _exec_single_context\n'
+        "sqlite3.IntegrityError: UNIQUE constraint failed: runs.name\n"
+        "\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "handlers.py", line 9, in update\n'
+        "sqlalchemy.exc.IntegrityError: (sqlite3.IntegrityError) UNIQUE constraint failed: runs.name\n"
+        "[SQL: UPDATE runs SET name=? WHERE runs.run_uuid = ?]\n"
+        "(Background on this error at: https://sqlalche.me/e/20/gkpj)"  # no newline: the process died mid-write
     )
     errors, said, _ = reporter(ServiceLog("mlflow", mlflow))
     errors.poll()
-    assert said == [f"tessera up: mlflow logged an error: mlflow.server: Exception on /api/2.0/mlflow/runs/get -> "
-                    f"sqlalchemy.exc.OperationalError: database is locked (see {mlflow})"]  # fmt: skip
-    errors.poll(final=True)
-    assert said[1:] == [f"tessera up: mlflow logged an error: a traceback, no log line before it (a crash?) -> "
-                        f"ModuleNotFoundError: No module named 'MySQLdb' (see {mlflow})"]  # fmt: skip
+    assert said == [
+        f"tessera up: mlflow logged an error: mlflow.server: Exception on /api/2.0/mlflow/runs/get -> "
+        f"sqlalchemy.exc.OperationalError: database is locked (see {mlflow})",
+        f"tessera up: mlflow logged an error: a traceback, no log line before it (a crash?) -> "
+        f"ModuleNotFoundError: No module named 'MySQLdb' (see {mlflow})",
+    ]
+    errors.poll(final=True)  # the last error's traceback was cut off mid-line: said when the service has exited
+    assert said[2:] == [  # a chained SQLAlchemy error: its final exception, not the detail lines after it
+        f"tessera up: mlflow logged an error: mlflow.server: Exception on /api/2.0/mlflow/runs/update -> "
+        f"sqlalchemy.exc.IntegrityError: (sqlite3.IntegrityError) UNIQUE constraint failed: runs.name (see {mlflow})"
+    ]
