@@ -54,17 +54,51 @@ def free_by_hand(run_name: str) -> str:
             "--active-slots 0`")  # fmt: skip
 
 
-def _ensure_limit(name: str) -> None:
+# Creating a run name's limit is serialized through this one: two flow runs of a new run name (a double
+# click) would both create it, and the server, while answering the second 409, logs an IntegrityError
+# that `tessera up` would rightly print as a server error. `tessera up` and `tessera deploy` create it.
+NAMES_LOCK = "tessera-run-names"
+
+
+def ensure_names_lock() -> None:
+    """Create NAMES_LOCK (one slot) unless the server has it."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            client.read_global_concurrency_limit_by_name(NAMES_LOCK)
         except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another flow run made it first
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=NAMES_LOCK, limit=1))
+
+
+def _ensure_limit(name: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    def missing(client) -> bool:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return False
+        except ObjectNotFound:
+            return True
+
+    with get_client(sync_client=True) as client:
+        if not missing(client):
+            return
+        try:
+            client.read_global_concurrency_limit_by_name(NAMES_LOCK)
+            serialized = concurrency(NAMES_LOCK, occupy=1, timeout_seconds=60, strict=True)
+        except ObjectNotFound:  # a server `tessera up`/`tessera deploy` never set up (the CLI's own): no race
+            serialized = contextlib.nullcontext()
+        with serialized:
+            if missing(client):
+                with contextlib.suppress(ObjectAlreadyExists):
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
 def _live_runs(tag: str, me: str | None) -> list:
