@@ -23,7 +23,7 @@ from prefect.futures import PrefectFuture, wait
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel, Field
 
-from flows.outcome import REFUSED, form_values, run_to_state
+from flows.outcome import REFUSED, form_values, run_or_end
 from flows.prepare import prepare_recipe_data
 from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, form_input, load_recipe
 from flows.runtime import prepare_process
@@ -39,7 +39,7 @@ from tasks.register import (
     move_aliases,
     register_checkpoint,
 )
-from tasks.tracking import close_run, find_run, open_run, record_run, resolved_uri, run_ui_url
+from tasks.tracking import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
 from tasks.train import deliver_metrics, train_stage, write_job
 from trainers.checkpoints import CheckpointInfo, list_complete
 from trainers.config import MlflowTarget, TrainJob
@@ -284,7 +284,9 @@ def _record_end(flow, flow_run, state) -> None:
         params = PipelineParams.model_validate(flow_run.parameters["params"])
         recipe, run_name = _resolve(params)
         run = find_run(recipe.tracking, run_name)
-        if run is None:
+        # A later flow run of the same run name may have taken the MLflow run over meanwhile (the worker runs
+        # this hook seconds after a cancel, when a rerun can already be training): never end that one.
+        if run is None or run.data.tags.get("tessera.prefect.flow_run_id") not in (None, str(flow_run.id)):
             return
         status = "KILLED" if state.is_cancelled() or state.is_cancelling() else "FAILED"
         note = f"Prefect flow run {flow_run.name!r} ({flow_run.id}) {state.name}: {state.message or ''}".strip()
@@ -404,7 +406,9 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
     rows = "\n".join(f"| {r.tokens:,} | v{r.version} | {'new' if r.created else 'existing'} |" for r in registrations)
     summary = (
         f"# {recipe.tracking.registered_model}\n\n| tokens | version | |\n|---:|---|---|\n{rows}\n\n"
-        f"latest-checkpoint = v{registrations[-1].latest}, best = v{registrations[-1].best}\n"
+        f"latest-checkpoint = v{registrations[-1].latest}, best = v{registrations[-1].best}\n\n"
+        f"[Open {recipe.tracking.registered_model} in MLflow's model registry]"
+        f"({model_ui_url(recipe.tracking, recipe.tracking.registered_model)})\n"
         if registrations
         else "No checkpoint was registered."
     )
@@ -448,7 +452,7 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             _bootstrap_champion(recipe, run_name, result)
         return result
 
-    return run_to_state(run_name, body)
+    return run_or_end(run_name, body)
 
 
 def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:
