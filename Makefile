@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The suite waits on servers and subprocesses much of the time: two workers use the two CI cores.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-ui bench clean
 
 install: $(STAMP)
 
@@ -21,14 +21,21 @@ demo: install
 	$(BIN)/tessera run configs/tiny.yaml
 	@echo
 	@echo "Results:"
-	@echo "  MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///.tessera/mlflow.db   (http://127.0.0.1:5000)"
-	@echo "  Prefect: PREFECT_HOME=.tessera/prefect $(BIN)/prefect server start           (http://127.0.0.1:4200)"
+	@echo "  $(BIN)/tessera up    serves both UIs on this run's stores, with the deployments:"
+	@echo "  Prefect http://127.0.0.1:4200 (flow runs, logs, artifacts), MLflow http://127.0.0.1:5000 (metrics, registry)"
 
 test: install
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The browser suite (tests/test_ui.py): Debian's chromium clicking through the Prefect and MLflow UIs of
+# `tessera up`. Not part of `make test`: Chromium comes from apt, not pip. Screenshots go to build/ui/.
+test-ui: install
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,k8s,ui]"
+	@command -v chromium >/dev/null || { echo "make test-ui needs Debian's chromium: sudo apt-get install chromium"; exit 2; }
+	TESSERA_UI_SHOTS=build/ui $(BIN)/python -m pytest -q -m ui
 
 bench: install
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

@@ -342,7 +342,7 @@ def isolated_mlflow_globals(request):
 
 # The modules that use the live stack (`tessera up`, a session fixture): they run on one worker, which
 # starts it once. A module that uses it without being listed here fails at collection (below).
-LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py"}
+LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py", "tests/test_ui.py"}
 # The longest modules, longest first: a worker takes them before the short ones, so the two finish close
 # together instead of one starting a 10-minute module at the end. Measured with --durations in CI.
 _LONGEST_FIRST = ["live", "test_train.py", "test_train_ops.py", "test_continued.py", "test_pipeline_e2e.py",

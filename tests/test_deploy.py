@@ -117,10 +117,8 @@ def test_a_cron_schedule_creates_runs_and_the_worker_runs_one(live_stack, tmp_pa
 
         done = until(completed, 180, "no scheduled run of the one-minute cron finished")
         assert [(r["state"]["type"], r["auto_scheduled"]) for r in done[:1]] == [("COMPLETED", True)]
-        started = datetime.fromisoformat(done[0]["start_time"])
         expected = datetime.fromisoformat(done[0]["expected_start_time"])
         assert (expected.second, expected.microsecond) == (0, 0)  # a minute boundary: the cron, not a manual run
-        assert started >= expected
         assert (tmp_path / "marker" / "ran").exists()
     finally:
         prefect_api("POST", f"{api}/deployments/{probe['id']}/pause_deployment")
@@ -270,10 +268,13 @@ def test_a_service_dying_during_start_up_is_one_line_and_stops_the_rest(tmp_path
     process, prefect_port, _, output = start_tessera_up(recipe, tmp_path / "work")
     assert process.wait(timeout=180) == 1
     log = tmp_path / "work" / "up" / "mlflow.log"
-    assert output.read_text().splitlines() == [
-        f"tessera: error: mlflow exited during start-up (exit code 1); see {log}"
-    ]
-    assert "MySQLdb" in log.read_text()
+    lines = output.read_text().splitlines()
+    assert lines[-1] == f"tessera: error: mlflow exited during start-up (exit code 1); see {log}"
+    # what MLflow logged as it died is said too, each line naming its log
+    said = lines[:-1]
+    assert said and all(line.startswith("tessera up: mlflow logged an error: ") and line.endswith(f"(see {log})")
+                        for line in said)  # fmt: skip
+    assert any("ModuleNotFoundError: No module named 'MySQLdb'" in line for line in said)
     # the Prefect server it had started is gone with it
     assert not answers(f"http://127.0.0.1:{prefect_port}/api/health")
     assert [p for p in _ours(tmp_path) if p.is_running()] == []
@@ -340,8 +341,8 @@ def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
         import sqlite3
 
         with sqlite3.connect(tmp_path / "work" / "prefect" / "prefect.db") as db:
-            rows = db.execute("SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr "
-                              "JOIN flow_run_state s ON s.id = fr.state_id").fetchall()  # fmt: skip
+            rows = db.execute("SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr JOIN flow_run_state s "
+                              "ON s.id = fr.state_id WHERE fr.parent_task_run_id IS NULL").fetchall()  # fmt: skip
         assert rows == [("CANCELLED", "Cancelled", "stopped by `tessera up` shutting down (SIGTERM): every rank of run "
                          "'tiny' was stopped; its last complete checkpoint stays, and a rerun of the same run name "
                          "resumes from it")]  # fmt: skip
