@@ -345,8 +345,9 @@ def isolated_mlflow_globals(request):
 LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py", "tests/test_ui.py"}
 # The longest modules, longest first: a worker takes them before the short ones, so the two finish close
 # together instead of one starting a 10-minute module at the end. Measured with --durations in CI.
-_LONGEST_FIRST = ["live", "test_train.py", "test_train_ops.py", "test_continued.py", "test_pipeline_e2e.py",
-                  "test_data_interrupt.py", "test_register.py", "test_data_cli.py"]  # fmt: skip
+_LONGEST_FIRST = ["live", "test_train.py", "test_server_restart.py", "test_pipeline_e2e.py", "test_train_ops.py",
+                  "test_continued.py", "test_data_interrupt.py", "test_exclusive.py", "test_register.py",
+                  "test_data_cli.py"]  # fmt: skip
 
 
 def _scope(nodeid: str) -> str:
