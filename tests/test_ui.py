@@ -88,9 +88,9 @@ class Person:
 
 def close_the_assistant(page) -> None:
     """MLflow 3.17 opens its chat panel over a third of the page; a person closes it once."""
-    panel = page.locator("xpath=//*[normalize-space()='MLflow Assistant']/ancestor::div[.//button][1]")
-    if panel.count():
-        panel.first.locator("button").last.click()
+    close = page.get_by_role("button", name="Close", exact=True)  # the panel's header, after New Chat and Settings
+    if page.get_by_text("MLflow Assistant").count() and close.count():
+        close.first.click()
         page.wait_for_timeout(500)
 
 
