@@ -43,18 +43,20 @@ def format_progress(record: Mapping[str, object]) -> str:
     return f"{PREFIX} {json.dumps(clean, separators=(',', ':'), allow_nan=False)}"
 
 
-def parse_progress(line: str) -> dict | None:
-    """The record of a progress line, or None for any other line (or a mangled one)."""
+def _parse(line: str, prefix: str, fields: tuple[str, ...]) -> dict | None:
     text = line.strip()
-    if not text.startswith(PREFIX + " "):
+    if not text.startswith(prefix + " "):
         return None
     try:
-        record = json.loads(text[len(PREFIX) + 1 :])
+        record = json.loads(text[len(prefix) + 1 :])
     except ValueError:
         return None
-    if not isinstance(record, dict) or not all(k in record for k in FIELDS):
-        return None
-    return record
+    return record if isinstance(record, dict) and all(k in record for k in fields) else None
+
+
+def parse_progress(line: str) -> dict | None:
+    """The record of a progress line, or None for any other line (or a mangled one)."""
+    return _parse(line, PREFIX, FIELDS)
 
 
 def format_start(record: Mapping[str, object]) -> str:
@@ -64,13 +66,4 @@ def format_start(record: Mapping[str, object]) -> str:
 
 def parse_start(line: str) -> dict | None:
     """The record of a start line, or None for any other line."""
-    text = line.strip()
-    if not text.startswith(START_PREFIX + " "):
-        return None
-    try:
-        record = json.loads(text[len(START_PREFIX) + 1 :])
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or not all(k in record for k in START_FIELDS):
-        return None
-    return record
+    return _parse(line, START_PREFIX, START_FIELDS)
