@@ -5,7 +5,7 @@ step, so it holds the optimizer's two moments beside the weights, then loads it 
 fresh process two ways and reads each process's peak RSS:
 
 - `full`: the anchor, `torch.load` of the whole file (what evaluation and export did before);
-- `mmap`: `trainers.export.load_hf`, which memory-maps the file and reads only the model.
+- `mmap`: `trainers.format.export.load_hf`, which memory-maps the file and reads only the model.
 
 Then the whole of what the pipeline runs per checkpoint: the `evaluate_checkpoint` and
 `register_checkpoint` Prefect tasks in one flow (a temporary Prefect API in its own process, a
@@ -40,9 +40,9 @@ HWM = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).g
 
 LOAD = {
     "full": "import torch; s = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
-            "from trainers.export import load_hf; import trainers.export as e; "
+            "from trainers.format.export import load_hf; import trainers.format.export as e; "
             "e.torch.load = lambda *a, **k: s; m, t = load_hf(sys.argv[1])",  # fmt: skip
-    "mmap": "from trainers.export import load_hf; m, t = load_hf(sys.argv[1])",
+    "mmap": "from trainers.format.export import load_hf; m, t = load_hf(sys.argv[1])",
 }
 
 
@@ -93,7 +93,7 @@ from evaluation.config import EvalConfig
 from tasks.evaluate import evaluate_checkpoint
 from tasks.register import register_checkpoint
 from tasks.tracking_config import TrackingConfig
-from trainers.checkpoints import CheckpointInfo
+from trainers.format.checkpoints import CheckpointInfo
 
 import tasks
 assert tasks.__file__.startswith(tree), f"imported {tasks.__file__}, not the tree under test {tree}"

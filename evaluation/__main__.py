@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _package(model, tokenizer, args: argparse.Namespace, tmp: Path) -> str:
     """The loaded model as an MLflow Model, uploaded beside its checkpoint: registration never loads it again."""
-    from trainers.mlflow_model import publish, save_mlflow_model
+    from trainers.format.mlflow_model import publish, save_mlflow_model
 
     hf_dir = tmp / "hf"
     model.to("cpu").save_pretrained(hf_dir, safe_serialization=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.errors import GauntletError
-from trainers.checkpoints import damage
-from trainers.mlflow_model import download_model
+from trainers.format.checkpoints import damage
+from trainers.format.mlflow_model import download_model
 
 _SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
@@ -46,7 +46,7 @@ def _from_hf_dir(path: Path, source: str) -> LoadedModel:
 
 
 def _from_composer(path: str) -> LoadedModel:
-    from trainers.export import load_hf
+    from trainers.format.export import load_hf
 
     try:
         model, tokenizer = load_hf(path)

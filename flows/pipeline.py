@@ -41,7 +41,7 @@ from tasks.register import (
 )
 from tasks.tracking import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
 from tasks.train import deliver_metrics, train_stage, write_job
-from trainers.checkpoints import CheckpointInfo, list_complete
+from trainers.format.checkpoints import CheckpointInfo, list_complete
 from trainers.config import MlflowTarget, TrainJob
 
 POLL_SECONDS = 2.0

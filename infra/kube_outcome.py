@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78  # trainers/exit_codes.py, spelled out
+from trainers.contract import FATAL, INTERRUPTED, OK, RETRYABLE
 
 Cause = Literal["done", "disruption", "failure", "fatal"]
 

@@ -22,8 +22,8 @@ from infra.joblog import JobLog
 from infra.lifecycle import forget, launching
 from infra.ranks import first_crash
 
-# Read by trainers/supervisor.py; spelled out here because infra never imports trainers.
-SUPERVISOR_ENV = "TESSERA_SUPERVISOR_PID"
+# The trainer's side of the contract (trainers/supervisor.py reads it): infra imports only that module of trainers.
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 
 def _signal_group(group: int, sig: int) -> bool:

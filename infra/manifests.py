@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infra.config import KubernetesConfig
-from trainers.config import CACHE_ENV
+from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
+from trainers.contract import FATAL as FATAL_EXIT
+from trainers.contract import MASTER_ADDR_ENV
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "node"  # the one replicated job of a training JobSet: one Indexed Job of N pods
@@ -30,7 +33,6 @@ JOB_FILE = "job.json"
 WORK_DIR = "/var/tessera/work"
 POD_SAVE_FOLDER = f"{WORK_DIR}/checkpoints"
 CACHE_DIR = "/var/cache/tessera"
-MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
 TRAIN_CONTAINER, EVAL_CONTAINER = "trainer", "evaluator"
 
 LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY = (
@@ -39,10 +41,6 @@ LABEL_RUN, LABEL_STAGE, LABEL_ATTEMPT = "tessera.dev/run", "tessera.dev/stage", 
 ANNOTATION_RUN = "tessera.dev/run-name"  # the run name as written (a label value may be a slug of it)
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-
-FATAL_EXIT = 78  # trainers/exit_codes.py FATAL, spelled out: infra never imports trainers
-# Supervisor watchdog variable of the local backend; a pod has no supervisor process.
-SUPERVISOR_ENV = "TESSERA_SUPERVISOR_PID"
 
 # What the Job controller writes into a Job's failure message when a pod failure policy rule fires
 # (pkg/controller/job/pod_failure_policy.go); the JobSet rules below match on it.

@@ -22,8 +22,8 @@ from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless
 from tasks.tracking import resolved_uri, retrying
 from tasks.tracking_config import TrackingConfig
-from trainers.checkpoints import CheckpointInfo
-from trainers.mlflow_model import model_uri_for
+from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.mlflow_model import model_uri_for
 
 
 class EvalSummary(BaseModel):

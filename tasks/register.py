@@ -38,8 +38,8 @@ from tasks.retry import retry_unless
 from tasks.tracking import RUN_NAME_TAG, client_for
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
-from trainers.checkpoints import CheckpointInfo
-from trainers.mlflow_model import model_uri_for, publish, save_mlflow_model, weights_mb
+from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.mlflow_model import model_uri_for, publish, save_mlflow_model, weights_mb
 
 
 class Registration(BaseModel):
@@ -142,7 +142,7 @@ def register_checkpoint(
     extra_tags: dict[str, str] | None = None,
 ) -> Registration:
     """Log the checkpoint as an MLflow Model (transformers flavor) and register it as a version."""
-    from trainers.export import export_hf
+    from trainers.format.export import export_hf
 
     client = client_for(tracking)
     name = tracking.registered_model

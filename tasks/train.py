@@ -28,6 +28,7 @@ from infra.config import ComputeConfig
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
 from trainers.config import TrainJob
+from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FATAL, INTERRUPTED
 
 USAGE_ERROR = 2  # argparse
@@ -110,7 +111,7 @@ def train_stage(
             "trainers.train",
             ["--job", job_path, "--stage", str(stage_index)],
             log_dir=Path(log_dir) / stage_name,
-            env={"TESSERA_HOLDER": holder} if holder else None,
+            env={HOLDER_ENV: holder} if holder else None,
         )
         logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
         code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))

@@ -14,7 +14,7 @@ from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
 from evaluation.runner import run_gauntlet
 from tasks.tracking_config import TrackingConfig
-from trainers.checkpoints import CheckpointInfo
+from trainers.format.checkpoints import CheckpointInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
@@ -136,7 +136,7 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(composer_ch
     (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
     from evaluation.__main__ import EXIT_BAD_INPUT, _verified, main, parse_args
     from tasks.evaluate import pod_args
-    from trainers.checkpoints import file_sha256
+    from trainers.format.checkpoints import file_sha256
 
     path, _, _ = composer_checkpoint
     published = file_sha256(path)

@@ -12,7 +12,7 @@ from tests.conftest import ROOT, TensorOps
 # Peak RSS of the load alone: imports first, then the kernel's high-water mark is reset (clear_refs 5).
 PEAK = """
 import re, sys
-from trainers.export import load_hf
+from trainers.format.export import load_hf
 from pathlib import Path
 Path("/proc/self/clear_refs").write_text("5")
 model, tok = load_hf(sys.argv[1])
@@ -49,7 +49,7 @@ def _small_checkpoint(folder) -> tuple:
 
 def test_loading_for_evaluation_takes_the_mapped_weights_as_they_are(tmp_path):
     """No init kernel and no copy: the memory-mapped tensors become the parameters (one copy in memory)."""
-    from trainers.export import load_hf
+    from trainers.format.export import load_hf
     from trainers.config import ModelConfig
     from trainers.model import build_model
 

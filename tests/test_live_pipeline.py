@@ -78,7 +78,7 @@ def trainer_pids(stack, name: str) -> list[int]:
 
 
 def wait_for_checkpoint(stack, name: str, tokens: int, timeout: float = 600) -> None:
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     deadline = time.monotonic() + timeout
     while not any(c.tokens >= tokens for c in list_complete(run_dir(stack, name) / "checkpoints")):
@@ -87,7 +87,7 @@ def wait_for_checkpoint(stack, name: str, tokens: int, timeout: float = 600) -> 
 
 
 def final_weights(stack, name: str) -> dict[str, torch.Tensor]:
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     last = list_complete(run_dir(stack, name) / "checkpoints")[-1]
     return torch.load(last.path, map_location="cpu", weights_only=False)["state"]["model"]

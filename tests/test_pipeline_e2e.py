@@ -63,7 +63,7 @@ def _task_names(flow_run_id) -> list[str]:
 
 def kill_trainer_after_first_checkpoint(run_dir, timeout_s: float = 600) -> threading.Thread:
     """SIGKILL the rank process (not the launcher) once the first checkpoint is published: a lost node."""
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     save_folder, job_path = run_dir / "checkpoints", run_dir / "job.json"
 

@@ -17,7 +17,7 @@ from tasks.tracking import TrackingError, client_for, close_run, model_ui_url, o
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tasks.version_record import version_record
-from trainers.checkpoints import CheckpointInfo
+from trainers.format.checkpoints import CheckpointInfo
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def composer_checkpoint(tmp_path_factory) -> str:
 
 def assert_same_weights(model, composer_checkpoint: str) -> None:
     """The model's weights equal the checkpoint's, bit for bit."""
-    from trainers.export import load_hf
+    from trainers.format.export import load_hf
 
     original, _ = load_hf(composer_checkpoint)
     for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(original.state_dict().items())):
@@ -187,7 +187,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tm
     import mlflow.transformers
 
     from evaluation.__main__ import parse_summary
-    from trainers.mlflow_model import model_uri_for
+    from trainers.format.mlflow_model import model_uri_for
 
     moto_s3.create_bucket(Bucket="ckpts")
     moto_s3.upload_file(composer_checkpoint, "ckpts", "runs/run-c/run-c-s0-tok64-rank0.pt")
@@ -212,12 +212,12 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(tm
     assert [m.step for m in client.get_metric_history(run_id, "gauntlet/core_average")] == [64]
 
     monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", moto_s3.meta.endpoint_url)
-    import trainers.export
+    import trainers.format.export
 
     def never(*args, **kwargs):
         raise AssertionError("registration loaded the checkpoint")
 
-    monkeypatch.setattr(trainers.export, "export_hf", never)  # the flow pod must not touch the weights
+    monkeypatch.setattr(trainers.format.export, "export_hf", never)  # the flow pod must not touch the weights
     result = EvalSummary(tokens=64, stage="s", checkpoint=checkpoint_uri, **{k: summary[k] for k in (
         "average", "headline", "gauntlet_hash", "metrics", "model_uri")})  # fmt: skip
     info = CheckpointInfo(path=checkpoint_uri, tokens=64, batch=1, stage="s", stage_index=0)

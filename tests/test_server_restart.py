@@ -59,7 +59,7 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
         with open(tmp_path / "run-1.log", "wb") as out:
             run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-        from trainers.checkpoints import list_complete
+        from trainers.format.checkpoints import list_complete
 
         folder = tmp_path / "work" / "runs" / "restart" / "checkpoints"
         deadline = time.monotonic() + 600

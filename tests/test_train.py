@@ -220,7 +220,7 @@ def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_pa
     checkpoint and its directory are fsynced before the manifest exists, the manifest folder after."""
     import os
 
-    from trainers.checkpoints import CheckpointInfo, manifest_path, publish
+    from trainers.format.checkpoints import CheckpointInfo, manifest_path, publish
 
     synced: list[tuple[str, bool]] = []  # (what was fsynced, did the manifest exist yet)
     real_fsync = os.fsync
@@ -243,7 +243,7 @@ def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(t
 
     import torch
 
-    from trainers.checkpoints import CheckpointInfo, damage, list_complete, publish
+    from trainers.format.checkpoints import CheckpointInfo, damage, list_complete, publish
 
     mine, other = tmp_path / "tiny-s0-tok1024-rank0.pt", tmp_path / "other.pt"
     torch.save({"w": torch.zeros(64)}, mine)
@@ -257,7 +257,7 @@ def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(t
 
 
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
-    from trainers.checkpoints import CheckpointInfo, list_complete, publish
+    from trainers.format.checkpoints import CheckpointInfo, list_complete, publish
     from trainers.saver import PublishingCheckpointSaver
     from trainers.testing import tiny_job
 
@@ -366,9 +366,9 @@ def reference(tmp_path_factory, sources):
 def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow_uri):
     from mlflow.tracking import MlflowClient
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.config import MlflowTarget
-    from trainers.export import export_hf
+    from trainers.format.export import export_hf
     from trainers.testing import write_hf_tokenizer
 
     client = MlflowClient(mlflow_uri)
@@ -433,7 +433,7 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
 @pytest.mark.slow
 def test_two_stage_curriculum_continues_schedule_and_optimizer(reference):
     from trainers.faults import read_sample_log
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     job, root = reference
     done = list_complete(job.save_folder)
@@ -473,7 +473,7 @@ def test_kill9_anywhere_resumes_bitwise_exact(reference, tmp_path, sources):
     """kill -9 mid-step, mid-save and inside stage 2 (plus a corrupted checkpoint): same weights, same samples."""
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     job, job_path = _job(tmp_path, sources)
     log = tmp_path / "samples.jsonl"
@@ -508,7 +508,7 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
 
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     def flip(path: Path, offset: int) -> None:
         data = bytearray(path.read_bytes())
@@ -551,7 +551,7 @@ def test_lost_manifests_are_rederived_and_no_good_checkpoint_is_deleted(referenc
 
     import torch
 
-    from trainers.checkpoints import MANIFEST_DIR, list_complete
+    from trainers.format.checkpoints import MANIFEST_DIR, list_complete
 
     job, job_path = _job(tmp_path, sources)
     log = tmp_path / "samples.jsonl"
@@ -582,7 +582,7 @@ def test_a_resume_inside_a_stage_draws_the_random_numbers_it_saved(tmp_path, sou
     """
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.config import ModelConfig
 
     stage_1 = STAGES[:1]  # the LR horizon is the whole curriculum: both runs get the same one
@@ -626,7 +626,7 @@ def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, s
 def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources):
     """A NaN at step 7 (last checkpoint at step 4): exit RETRYABLE, relaunch skips steps 5-7's samples."""
     from trainers.faults import read_sample_log
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.layout import RunFolder
     from trainers.rollback import read_rollbacks
 
@@ -666,7 +666,7 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
 
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.remote import RemoteFolder
 
     moto_s3.create_bucket(Bucket="ckpts")
@@ -723,8 +723,8 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
 def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     """Stage 2 trains on 64-token samples (data packed at 64) after 32-token stage 1; a kill inside it resumes."""
     from trainers.faults import read_sample_log
-    from trainers.checkpoints import list_complete
-    from trainers.export import export_hf
+    from trainers.format.checkpoints import list_complete
+    from trainers.format.export import export_hf
     from trainers.testing import write_mds
 
     long_a = str(write_mds(tmp_path / "a64", 60, 2 * SEQ, 256, seed=3))

@@ -137,7 +137,7 @@ def _job(root: Path, source: str, steps: int, every_steps: int, **kw):
 def _final_model(job) -> dict:
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     return torch.load(list_complete(job.save_folder)[-1].path, map_location="cpu", weights_only=False)["state"]["model"]
 
@@ -184,7 +184,7 @@ def test_progress_lines_follow_the_stage_to_its_end(reference):
 def test_sigterm_and_sigint_exit_interrupted(tmp_path, source):
     """A stop from outside is neither the trainer's failure (75) nor Composer's 128+N: it is 76, both for
     SIGINT and for SIGTERM (which Composer's import would otherwise take over), and the relaunch resumes."""
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     job, job_path = _job(tmp_path, source, 300, 50)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -209,7 +209,7 @@ def test_one_trainer_per_run_name(reference, tmp_path, source):
 
     import torch
 
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.testing import run_stage
 
     job, job_path = _job(tmp_path, source, LEASE_STEPS, LEASE_EVERY)
@@ -334,7 +334,7 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
 
     from infra.config import ComputeConfig
     from infra.local import LocalBackend
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
     from trainers.testing import live_group_members
 
     job, job_path = _job(tmp_path, source, 300, 50)

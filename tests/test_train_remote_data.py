@@ -16,7 +16,8 @@ def _cached_bytes(root: Path) -> int:
 def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, moto_s3, monkeypatch):
     from streaming.base.util import bytes_to_int
 
-    from trainers.config import CACHE_ENV, StageConfig
+    from trainers.config import StageConfig
+    from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
     from trainers.data import build_stage_data, build_val_evaluators
     from trainers.testing import tiny_job, write_mds
 

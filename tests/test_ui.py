@@ -113,7 +113,7 @@ def person(live_stack, tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_hour(person):
     """The walk through the UI; what each step showed, for the tests below."""
-    from trainers.checkpoints import list_complete
+    from trainers.format.checkpoints import list_complete
 
     seen: dict = {}
     first = person.start_from_the_form(BUDGETS, every="8192")

@@ -30,7 +30,7 @@ from trainers.data import (
 )
 from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
 from trainers.faults import Probe
-from trainers.mlflow_model import download_model
+from trainers.format.mlflow_model import download_model
 from trainers.optimizer_seed import seed_optimizer
 from trainers.remote import fetch_folder
 from trainers.layout import RunFolder

@@ -21,10 +21,6 @@ from pydantic import (
 )
 
 
-# Where the trainer caches remote (s3://) data; the Kubernetes pod spec points it at the cache volume.
-CACHE_ENV = "TESSERA_CACHE_DIR"
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

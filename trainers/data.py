@@ -19,7 +19,8 @@ import torch
 from composer.core import DataSpec, Evaluator
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 
-from trainers.config import CACHE_ENV, Stage, TrainConfig
+from trainers.config import Stage, TrainConfig
+from trainers.contract import CACHE_DIR_ENV
 
 __all__ = ["build_stage_data", "build_val_evaluators", "cache_dir_for"]
 
@@ -64,7 +65,7 @@ def _stream(path: str, proportion: float | None = None) -> Stream:
 def cache_dir_for(uri: str) -> Path:
     """This node's local copy of a remote folder: under $TESSERA_CACHE_DIR (on Kubernetes, the cache
     volume), else the temp dir."""
-    root = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "tessera-streams")
+    root = Path(os.environ.get(CACHE_DIR_ENV) or Path(tempfile.gettempdir()) / "tessera-streams")
     return root / hashlib.sha1(uri.encode()).hexdigest()[:16]
 
 

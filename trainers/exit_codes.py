@@ -21,12 +21,14 @@ from __future__ import annotations
 import errno
 from enum import IntEnum
 
+from trainers import contract
+
 
 class ExitCode(IntEnum):
-    OK = 0
-    RETRYABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
-    INTERRUPTED = 76  # stopped from outside; next to 75 so both read as "relaunch" in a table of codes
-    FATAL = 78  # EX_CONFIG from sysexits.h: the input is wrong, do not retry
+    OK = contract.OK
+    RETRYABLE = contract.RETRYABLE  # 75, EX_TEMPFAIL from sysexits.h: "try again later"
+    INTERRUPTED = contract.INTERRUPTED  # 76: stopped from outside; next to 75, both read as "relaunch"
+    FATAL = contract.FATAL  # 78, EX_CONFIG from sysexits.h: the input is wrong, do not retry
 
 
 # Sets, so a supervisor writes `code in FATAL`; more codes may join either set later.

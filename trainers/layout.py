@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainers import checkpoints
-from trainers.checkpoints import CheckpointInfo
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo
 from trainers.config import TrainJob
 
 log = logging.getLogger("tessera.layout")

@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FatalError
 
 LEASE_WAIT_ENV = "TESSERA_LEASE_WAIT_S"
-HOLDER_ENV = "TESSERA_HOLDER"
 DEFAULT_WAIT_S = 60.0
 _POLL_S = 0.25
 

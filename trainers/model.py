@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.config import ModelConfig
+from trainers.format.meta import empty_like_meta, parameters_on_meta
 from trainers.exit_codes import FatalError
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
@@ -85,46 +86,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_i
     """A freshly initialised decoder. The seed makes init identical on every rank and every relaunch."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(cfg, vocab_size, max_seq_len, eos_token_id))
-    return model
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device: no memory and no init kernels.
-
-    Buffers stay real, because some are computed in __init__ and never saved (RoPE's inv_freq is a
-    non-persistent buffer): a checkpoint would not bring them back. (accelerate's
-    `init_empty_weights(include_buffers=False)` does this; accelerate is not a dependency.)
-    """
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            meta = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name] = meta
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
-def empty_like_meta(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Allocate the meta parameters of `model` on `device`, uninitialised, keeping tied ones tied.
-
-    For a model whose weights a checkpoint is about to overwrite: the memory is needed (every DDP
-    rank holds a replica), the init is not (at 7B it is minutes of normal_ on every rank).
-    """
-    allocated: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or param.device.type != "meta":
-                continue
-            if id(param) not in allocated:  # a tied weight is one Parameter in two modules
-                allocated[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
-            module._parameters[name] = allocated[id(param)]
     return model
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainers import checkpoints, ledger
-from trainers.checkpoints import CheckpointInfo, is_intact
+from trainers import ledger
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError
 from trainers.faults import maybe_stall

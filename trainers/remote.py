@@ -25,8 +25,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainers import checkpoints
-from trainers.checkpoints import CheckpointInfo, is_intact
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.layout import RunFolder, discard

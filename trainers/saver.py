@@ -16,8 +16,8 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from trainers import checkpoints
-from trainers.checkpoints import CheckpointInfo
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo
 from trainers.config import Stage, TrainJob
 from trainers.faults import maybe_fault
 from trainers.layout import RunFolder

@@ -24,7 +24,7 @@ import time
 
 from trainers.exit_codes import ExitCode
 
-SUPERVISOR_ENV = "TESSERA_SUPERVISOR_PID"
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 CHECK_EVERY_S = 1.0
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainers.model import parameters_on_meta
+from trainers.format.meta import parameters_on_meta
 
 
 def load_hf(ckpt_path: str | Path):

@@ -1,0 +1,22 @@
+"""What the trainer and the processes that start it agree on: the environment it reads, the codes it exits with.
+
+Standard library only, nothing else of tessera: infra/ starts the trainer as a command and never
+imports it, yet it sets these variables and reads these codes, so it imports this module alone
+(tests/test_structure.py holds that edge to this module). tasks/ and the trainer itself use the same
+names, so a renamed variable cannot leave one side reading what the other no longer sets.
+"""
+
+from __future__ import annotations
+
+# Where a node caches streamed data and fetched tokenizers; on Kubernetes, the pod's cache volume.
+CACHE_DIR_ENV = "TESSERA_CACHE_DIR"
+# The process whose death stops every rank within a second (trainers/supervisor.py); set by infra/local.py.
+SUPERVISOR_PID_ENV = "TESSERA_SUPERVISOR_PID"
+# Who started this trainer (a flow run and its URL): a second trainer refused the run's folder names it.
+HOLDER_ENV = "TESSERA_HOLDER"
+# Rank 0's pod address on Kubernetes, which the pod entrypoint hands Composer's launcher.
+MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
+
+# Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
+# 2 (argparse usage) and 128+N (killed by signal N).
+OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78
