@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from evaluation.testing import cut_demo_tasks  # noqa: E402
+from tests.support.gauntlet import cut_demo_tasks  # noqa: E402
 
 # A child's own peak RSS, printed as its last line. VmHWM, not ru_maxrss: Linux carries ru_maxrss
 # across execve, so a child of this process (which has just trained the 125M model) would report
@@ -52,7 +52,7 @@ def _write_checkpoint(folder: Path, preset: str) -> tuple[Path, int]:
 
     from trainers.build import _wrap
     from trainers.model import PRESETS, build_model
-    from trainers.testing import write_hf_tokenizer
+    from tests.support.training import write_hf_tokenizer
     from transformers import AutoTokenizer
 
     tok_dir = write_hf_tokenizer(folder / "tok")

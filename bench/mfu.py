@@ -29,7 +29,7 @@ def measure(preset: str, seq_len: int, batch: int, steps: int, warmup: int, tmp:
     from trainers.build import build_trainer
     from trainers.config import StageConfig
     from trainers.model import PRESETS
-    from trainers.testing import tiny_job, write_mds
+    from tests.support.training import tiny_job, write_mds
 
     vocab = 50277
     src = write_mds(tmp / f"src-{preset}", steps * batch, seq_len, vocab, seed=0)

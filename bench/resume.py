@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from trainers.config import StageConfig
-    from trainers.testing import tiny_job, write_job, write_mds
+    from tests.support.training import tiny_job, write_job, write_mds
 
     seq, batch = 32, 8
     step = seq * batch

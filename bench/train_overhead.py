@@ -87,7 +87,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from trainers.config import ModelConfig, StageConfig
-    from trainers.testing import tiny_job, write_mds
+    from tests.support.training import tiny_job, write_mds
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         samples = args.steps * args.batch

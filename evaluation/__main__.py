@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.identity import gauntlet_hash
     from evaluation.models import load_model
     from evaluation.runner import run_gauntlet
-    from evaluation.tracking import log_report
+    from evaluation.mlflow_report import log_report
 
     cfg = EvalConfig(every=max(1, args.step), tasks=args.tasks, gauntlet=args.gauntlet, data_root=args.data_root,
                      batch_size=args.batch_size, max_seq_len=args.max_seq_len, seed=args.seed, strict=args.strict)  # fmt: skip

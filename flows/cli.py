@@ -107,7 +107,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _work_prefect_home(recipe.work_dir)
     from flows.evaluate import eval_command
     from tasks.artifacts import artifact_key
-    from tasks.tracking import resolved_uri
+    from tasks.mlflow_run import resolved_uri
 
     install_log_filter()
     out = args.output_dir or str(Path(recipe.work_dir) / "compare" / artifact_key(args.a, "vs", args.b))
@@ -128,7 +128,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     """Move `champion` by hand, recorded on the versions like a rule's decision."""
     from flows.recipe import RecipeError, load_recipe
     from tasks.promote import promote_by_hand
-    from tasks.tracking import client_for
+    from tasks.mlflow_run import client_for
 
     recipe = load_recipe(args.recipe)
     ref = args.model.removeprefix("models:/")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tessera: error: {ended[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT if ended[1] else EXIT_FAILED
     except bad_input_types() as exc:
-        from tasks.tracking import TrackingUnavailable
+        from tasks.mlflow_run import TrackingUnavailable
         from tasks.train import TrainingFailed, TrainingFatal
 
         print(f"tessera: error: {exc}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 1. The base is a registry version (default `models:/<registered_model>@champion`): its weights
    start the run (`model.init_from`), and its checkpoint's optimizer state when the shapes match.
-2. Only input files no finished continued run of this model has consumed are used (tasks/ledger.py).
+2. Only input files no finished continued run of this model has consumed are used (tasks/consumed_files.py).
    None: the run says "no new data since <run>" and trains and registers nothing.
 3. The run trains one stage over the new data plus a replay fraction of the recipe's own sources
    (its last stage's mixture), with a rewarm-then-decay LR schedule, through the same
@@ -29,12 +29,12 @@ from flows.prepare import prepare_sources
 from flows.outcome import form_values, run_or_end
 from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
-from tasks import ledger
+from tasks import consumed_files
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.promote import Decision, champion_version, decide, record_decision
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
-from tasks.tracking import client_for, resolved_uri, retrying
+from tasks.mlflow_run import client_for, resolved_uri, retrying
 from trainers.remote import fetch_folder
 
 
@@ -213,7 +213,7 @@ def promote_challenger(recipe: Recipe, run_name: str, run_id: str, challenger: i
     return decision, int(champion_version(client, name) or 0) or None
 
 
-def _default_run_name(recipe: Recipe, version: str, files: list[ledger.Consumed]) -> str:
+def _default_run_name(recipe: Recipe, version: str, files: list[consumed_files.Consumed]) -> str:
     """Deterministic from the base and the new files: a retry or rerun of the same continuation resumes it."""
     digest = hashlib.sha256("\n".join(f"{p}|{s}|{v}" for p, s, v in sorted(f.key for f in files)).encode())
     return f"{recipe.name}-cpt-v{version}-{digest.hexdigest()[:8]}"
@@ -239,9 +239,9 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     for line in reconcile_registry(recipe.tracking, f"continued_pretraining flow run {flow_run.name}"):
         logger.warning("%s", line)
     # What is new comes first: a scheduled run with nothing new says so and ends, champion or not.
-    inputs = ledger.list_inputs(params.new_data)
-    seen, last_run = ledger.consumed(recipe.tracking, name)
-    fresh = ledger.new_inputs(inputs, seen)
+    inputs = consumed_files.list_inputs(params.new_data)
+    seen, last_run = consumed_files.consumed(recipe.tracking, name)
+    fresh = consumed_files.new_inputs(inputs, seen)
     if not fresh:
         since = f"since {last_run}" if last_run else "(no continued run yet)"
         message = f"no new data {since}: {len(inputs)} file(s) under {params.new_data}, all consumed; nothing trained"
@@ -272,7 +272,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
 
     result = run_or_end(run_name, lambda: run_pipeline(
         continued, run_name, params.recipe, params.if_running,
-        run_tags={ledger.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
+        run_tags={consumed_files.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
                   "tessera.new_files": str(len(fresh))},
         version_tags={"continued_from": f"v{version}"},
     ))  # fmt: skip
@@ -286,7 +286,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         decision, champion = promote_challenger(continued, run_name, result.mlflow_run_id, challenger,
                                                 continued.data.seq_len)  # fmt: skip
     # Only now do the files count as consumed: a run that failed before here trains on them again.
-    ledger.record(continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh])
+    consumed_files.record(continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh])
     return ContinueResult(run_name=run_name, base=base_uri, new_files=len(fresh), trained=True, pipeline=result,
                           challenger=challenger, decision=decision, champion=champion)  # fmt: skip
 

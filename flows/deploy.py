@@ -249,8 +249,8 @@ def deploy(names: list[str] | None = None, pool: str | None = None, *, log: Path
     url = reachable_api_url()
     for name in dict.fromkeys([pool] if pool else [s.pool for s in specs]):
         ensure_pool(project, name)
-    from tasks.exclusive import ensure_names_lock
+    from tasks.run_slot import ensure_names_lock
 
-    ensure_names_lock()  # run names' slots are created through it (tasks/exclusive.py)
+    ensure_names_lock()  # run names' slots are created through it (tasks/run_slot.py)
     _run_prefect_deploy(project, specs, pool, url, log)
     return _published(specs)

@@ -96,7 +96,7 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         markdown = f"{markdown}\n{comparison}"
     create_markdown_artifact(markdown=markdown, description=f"tessera eval of {params.model}")
     if params.run_id:
-        from evaluation.tracking import log_report
+        from evaluation.mlflow_report import log_report
 
         if not params.tracking_uri:
             raise ValueError("run_id needs tracking_uri")

@@ -83,7 +83,7 @@ def run_or_end(run_name: str, body: Callable[[], T]) -> T:
     from prefect.exceptions import TerminationSignal
     from prefect.states import Cancelled
 
-    from tasks.exclusive import RunBusy
+    from tasks.run_slot import RunBusy
 
     try:
         return body()

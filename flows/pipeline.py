@@ -5,7 +5,7 @@ watches the run's checkpoint manifests and gives every new checkpoint its own ev
 register task runs, so training never waits for the gauntlet.
 
 Started from the Prefect UI, a schedule or the CLI alike, so it guards itself: one live flow run
-per run name (tasks/exclusive.py), the trainer stopped if the flow fails or is cancelled, and the
+per run name (tasks/run_slot.py), the trainer stopped if the flow fails or is cancelled, and the
 MLflow run told how the flow run ended even when the flow process itself was killed (the crash
 and cancellation hooks, which Prefect's runner calls from outside it).
 """
@@ -32,14 +32,14 @@ from tasks import pins
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.evaluate import evaluate_checkpoint
-from tasks.exclusive import one_per_run, run_tag
+from tasks.run_slot import one_per_run, run_tag
 from tasks.register import (
     Registration,
     existing_registrations,
     move_aliases,
     register_checkpoint,
 )
-from tasks.tracking import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
+from tasks.mlflow_run import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
 from tasks.train import deliver_metrics, train_stage, write_job
 from trainers.format.checkpoints import CheckpointInfo, list_complete
 from trainers.config import MlflowTarget, TrainJob
@@ -422,7 +422,7 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
 
 def _link_mlflow_run(recipe: Recipe, run_name: str, run_id: str) -> None:
     """A link artifact on the flow run, so the Prefect UI leads to the MLflow run in one click."""
-    from tasks.tracking import client_for
+    from tasks.mlflow_run import client_for
 
     experiment_id = client_for(recipe.tracking).get_run(run_id).info.experiment_id
     url = run_ui_url(recipe.tracking, run_id, experiment_id)
@@ -459,7 +459,7 @@ def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -
     """A model's first champion is its first run's best version; after that only the promotion rule moves it."""
     from tasks.promote import bootstrap
     from tasks.register import best_of_run
-    from tasks.tracking import client_for, retrying
+    from tasks.mlflow_run import client_for, retrying
 
     name = recipe.tracking.registered_model
     client = client_for(recipe.tracking)

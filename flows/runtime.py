@@ -35,8 +35,8 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
     from evaluation.errors import GauntletError
     from flows.recipe import RecipeError
     from tasks.data.errors import DataError
-    from tasks.exclusive import RunBusy
-    from tasks.tracking import TrackingError, TrackingUnavailable
+    from tasks.run_slot import RunBusy
+    from tasks.mlflow_run import TrackingError, TrackingUnavailable
     from tasks.train import TrainingFailed
 
     # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input

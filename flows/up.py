@@ -25,8 +25,8 @@ from flows.deploy import QUIET_ENV, Deployed, DeployError, Project, deploy, ensu
 from flows.recipe import Recipe, load_recipe
 from flows.runtime import PREFECT_SERVER_OUTAGE
 from flows.up_stack import EXIT_FAILED, Service, UpError, _become_subreaper, _Stack
-from tasks.exclusive import ensure_names_lock
-from tasks.tracking import resolved_uri
+from tasks.run_slot import ensure_names_lock
+from tasks.mlflow_run import resolved_uri
 
 EXIT_BAD_INPUT = 2
 

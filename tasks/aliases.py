@@ -195,7 +195,7 @@ def reconcile_aliases(client, name: str, observer: str) -> list[str]:
 def reconcile_registry(tracking, observer: str) -> list[str]:
     """`reconcile_aliases` on the recipe's registered model, retried through a tracking-server blip; for flows and
     the CLI to call as they start and log the lines. `tracking` is a TrackingConfig."""
-    from tasks.tracking import client_for, retrying
+    from tasks.mlflow_run import client_for, retrying
 
     client = client_for(tracking)
     return retrying("recording alias moves made outside tessera",

@@ -20,7 +20,7 @@ from evaluation.errors import GauntletError
 from infra.config import ComputeConfig
 from tasks.artifacts import artifact_key
 from tasks.retry import retry_unless
-from tasks.tracking import resolved_uri, retrying
+from tasks.mlflow_run import resolved_uri, retrying
 from tasks.tracking_config import TrackingConfig
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.format.mlflow_model import model_uri_for
@@ -65,7 +65,7 @@ def evaluate_checkpoint(
         return _evaluate_in_pod(checkpoint, cfg, tracking, run_id, max_seq_len, run_name, compute)
     from evaluation.models import check_checkpoint, load_model
     from evaluation.runner import run_gauntlet
-    from evaluation.tracking import log_report
+    from evaluation.mlflow_report import log_report
 
     from evaluation.identity import gauntlet_hash
 

@@ -61,7 +61,7 @@ def unpin(pinned: Path) -> None:
 
 def drop_stale(pins: Path) -> list[str]:
     """Every pin in the folder, deleted; their names. Called as a flow starts, when any pin there is a
-    crashed flow's: one flow runs per run name (tasks/exclusive.py), so no live flow holds one."""
+    crashed flow's: one flow runs per run name (tasks/run_slot.py), so no live flow holds one."""
     if not pins.is_dir():
         return []
     stale = sorted(p.name for p in pins.iterdir())

@@ -35,7 +35,7 @@ from tasks.aliases import (  # noqa: F401 - the alias names are part of this mod
 )
 from tasks.evaluate import EvalSummary
 from tasks.retry import retry_unless
-from tasks.tracking import RUN_NAME_TAG, client_for
+from tasks.mlflow_run import RUN_NAME_TAG, client_for
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from trainers.format.checkpoints import CheckpointInfo

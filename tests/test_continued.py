@@ -53,7 +53,7 @@ def pretrained(tmp_path_factory, prefect_harness):
 
 def _client(recipe: Path):
     from flows.recipe import load_recipe
-    from tasks.tracking import client_for
+    from tasks.mlflow_run import client_for
 
     return client_for(load_recipe(recipe).tracking)
 

@@ -79,7 +79,7 @@ def _tiny_tasks(tmp_path: Path) -> Path:
 
 
 def test_missing_task_file_is_skipped_with_a_warning_or_fails_under_strict(tmp_path, caplog):
-    from evaluation.testing import bigram_model, word_tokenizer
+    from tests.support.gauntlet import bigram_model, word_tokenizer
 
     tok = word_tokenizer(["a", "b"])
     model = bigram_model(tok, {"a": "b"})
@@ -94,7 +94,7 @@ def test_missing_task_file_is_skipped_with_a_warning_or_fails_under_strict(tmp_p
 
 
 def test_has_categories_scores_each_category_then_averages(tmp_path):
-    from evaluation.testing import bigram_model, word_tokenizer
+    from tests.support.gauntlet import bigram_model, word_tokenizer
 
     tok = word_tokenizer(["x", "y", "z"])
     model = bigram_model(tok, {"x": "y"})  # "x" -> "y" is right, "x" -> "z" is wrong
@@ -121,7 +121,7 @@ def s3_bucket(moto_s3):
 
 
 def test_task_files_and_yamls_resolve_under_an_s3_root(s3_bucket, tmp_path):
-    from evaluation.testing import bigram_model, word_tokenizer
+    from tests.support.gauntlet import bigram_model, word_tokenizer
 
     tok = word_tokenizer(["a", "b"])
     s3_bucket.put_object(Bucket="evals", Key="g/eval/lm.jsonl", Body=b'{"context": "a", "continuation": "b"}\n')

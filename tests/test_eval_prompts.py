@@ -7,7 +7,7 @@ import random
 
 from evaluation.prompts import Record, fewshot_indices, prepare_split, prompt_texts, validate_records
 from evaluation.spec import TaskSpec
-from evaluation.testing import word_tokenizer
+from tests.support.gauntlet import word_tokenizer
 
 
 def _task(kind: str, **kw) -> TaskSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evaluation.report import GauntletReport, TaskResult, compare_markdown
-from evaluation.tracking import metric_key
+from evaluation.mlflow_report import metric_key
 
 
 def _report(copa: float, lambada: float) -> GauntletReport:

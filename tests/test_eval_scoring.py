@@ -1,6 +1,6 @@
 """Every task type against hand-computed answers, on a bigram model whose logits we wrote.
 
-The model (evaluation.testing.bigram_model) puts logit S=5 on one chosen next word after
+The model (tests.support.gauntlet.bigram_model) puts logit S=5 on one chosen next word after
 some words and 0 everywhere else, so with V words a preferred token costs
 log(e^S + V - 1) - S nats and any other costs log(e^S + V - 1); after a word with no
 preference every token costs log V.
@@ -17,7 +17,7 @@ from evaluation.prompts import prepare_split, validate_records
 from evaluation.runner import score_split
 from evaluation.scoring import collate_rows, generation_correct, normalize_answer, score_rows
 from evaluation.spec import TaskSpec
-from evaluation.testing import bigram_model, bigram_nll, word_tokenizer
+from tests.support.gauntlet import bigram_model, bigram_nll, word_tokenizer
 
 WORDS = "the sky is blue green grass today verdant".split()
 S = 5.0

@@ -39,7 +39,7 @@ def _llama(vocab: int, seed: int = 0):
 @pytest.fixture(scope="module")
 def small_gauntlet(tmp_path_factory) -> EvalConfig:
     """The demo's tiny YAMLs over the first 12 records of each file, so every test scores in a second."""
-    from evaluation.testing import cut_demo_tasks
+    from tests.support.gauntlet import cut_demo_tasks
 
     root = cut_demo_tasks(LOCAL_DATA, tmp_path_factory.mktemp("gauntlet"), records=12)
     return EvalConfig(

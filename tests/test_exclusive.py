@@ -1,4 +1,4 @@
-"""One live flow run per run name (tasks/exclusive.py), against a real temporary Prefect API.
+"""One live flow run per run name (tasks/run_slot.py), against a real temporary Prefect API.
 
 The slot is a Prefect global concurrency limit. These tests hold it from a small flow, the same
 context manager the pipeline uses, so they need no trainer.
@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from flows.outcome import REFUSED, run_or_end
-from tasks.exclusive import RunBusy, _ensure_limit, holder_tag, limit_name, one_per_run, run_tag
+from tasks.run_slot import RunBusy, _ensure_limit, holder_tag, limit_name, one_per_run, run_tag
 
 
 @flow(name="hold-run-name")

@@ -34,7 +34,7 @@ def _small_checkpoint(folder) -> tuple:
     from trainers.build import _wrap
     from trainers.config import ModelConfig
     from trainers.model import build_model
-    from trainers.testing import write_hf_tokenizer
+    from tests.support.training import write_hf_tokenizer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(write_hf_tokenizer(folder / "tok", vocab_size=512))

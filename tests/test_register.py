@@ -13,7 +13,7 @@ import torch
 
 from tasks.evaluate import EvalSummary
 from tasks.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_checkpoint
-from tasks.tracking import TrackingError, client_for, close_run, model_ui_url, open_run, run_ui_url
+from tasks.mlflow_run import TrackingError, client_for, close_run, model_ui_url, open_run, run_ui_url
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tasks.version_record import version_record

@@ -56,7 +56,7 @@ def _start(folder: Path) -> tuple[subprocess.Popen, int]:
 
 def test_only_segments_no_live_process_maps_are_removed(tmp_path):
     from trainers.shm import clean_stale_streaming_shm
-    from trainers.testing import write_mds
+    from tests.support.training import write_mds
 
     live_data, dead_data = write_mds(tmp_path / "live", 10, 16, 512, seed=1), write_mds(tmp_path / "dead", 10, 16, 512, seed=2)
     live, live_prefix = _start(live_data)

@@ -49,7 +49,7 @@ def test_bad_job_is_one_line_fatal(tmp_path):
 
 def test_a_job_file_is_held_to_the_recipe_alignment_rule():
     """One rule, one message: a job built by hand is refused as the recipe would be (trainers.config)."""
-    from trainers.testing import tiny_job
+    from tests.support.training import tiny_job
 
     stages = [STAGES[0], STAGES[1].model_copy(update={"tokens": 1000})]  # stage 2 steps are 16 x 32 tokens
     with pytest.raises(ValueError, match=r"train\.stages\.1\.tokens: 1000 is not a multiple of global_batch_size\*seq_len \(512\)"):
@@ -201,7 +201,7 @@ def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
 
     from trainers.build import fsdp_config
     from trainers.model import build_model
-    from trainers.testing import tiny_job
+    from tests.support.training import tiny_job
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -259,7 +259,7 @@ def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(t
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
     from trainers.format.checkpoints import CheckpointInfo, list_complete, publish
     from trainers.saver import PublishingCheckpointSaver
-    from trainers.testing import tiny_job
+    from tests.support.training import tiny_job
 
     job = tiny_job(tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2)
     Path(job.save_folder).mkdir(parents=True)
@@ -281,7 +281,7 @@ def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from trainers.testing import write_mds
+    from tests.support.training import write_mds
 
     root = tmp_path_factory.mktemp("data")
     write_mds(root / "b_val", 24, SEQ, 512, seed=9, low=256)  # held out from b: 3 batches, scored at checkpoints
@@ -292,7 +292,7 @@ def sources(tmp_path_factory):
 
 
 def _job(root: Path, sources, **kw):
-    from trainers.testing import tiny_job, write_job
+    from tests.support.training import tiny_job, write_job
 
     # Every run also scores b's held-out split at each checkpoint, so the exactness tests cover evaluation too.
     kw.setdefault("val_streams", {"b": str(Path(sources["b"]).parent / "b_val")})
@@ -303,7 +303,7 @@ def _job(root: Path, sources, **kw):
 
 
 def _launch(job_path, stage, log, fault=None, procs=1, fault_rank=None, env=None):
-    from trainers.testing import run_stage
+    from tests.support.training import run_stage
 
     env = {"TESSERA_SAMPLE_LOG": str(log), **(env or {})}
     if fault:
@@ -369,7 +369,7 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     from trainers.format.checkpoints import list_complete
     from trainers.config import MlflowTarget
     from trainers.format.export import export_hf
-    from trainers.testing import write_hf_tokenizer
+    from tests.support.training import write_hf_tokenizer
 
     client = MlflowClient(mlflow_uri)
     run_id = client.create_run(client.create_experiment("t")).info.run_id
@@ -725,7 +725,7 @@ def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     from trainers.faults import read_sample_log
     from trainers.format.checkpoints import list_complete
     from trainers.format.export import export_hf
-    from trainers.testing import write_mds
+    from tests.support.training import write_mds
 
     long_a = str(write_mds(tmp_path / "a64", 60, 2 * SEQ, 256, seed=3))
     stages = [STAGES[0], StageConfig(name="long", tokens=4 * 2 * STEP, mixture={"a": 1.0}, seq_len=2 * SEQ)]

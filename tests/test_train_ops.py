@@ -121,13 +121,13 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFE
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> str:
-    from trainers.testing import write_mds
+    from tests.support.training import write_mds
 
     return str(write_mds(tmp_path_factory.mktemp("data") / "a", 16_000, SEQ, 512, seed=1))
 
 
 def _job(root: Path, source: str, steps: int, every_steps: int, **kw):
-    from trainers.testing import tiny_job, write_job
+    from tests.support.training import tiny_job, write_job
 
     stages = [StageConfig(name="ops", tokens=steps * STEP, mixture={"a": 1.0})]
     job = tiny_job(root, {"a": source}, stages, seq_len=SEQ, global_batch_size=BATCH, checkpoint_every_tokens=every_steps * STEP, **kw)
@@ -153,7 +153,7 @@ def _wait_for(condition, timeout: float, what: str, every: float = 0.1):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, source):
     """The lease test's job trained by one uninterrupted trainer; its stdout carries progress lines every 0.5 s."""
-    from trainers.testing import run_stage
+    from tests.support.training import run_stage
 
     root = tmp_path_factory.mktemp("ref")
     job, job_path = _job(root, source, LEASE_STEPS, LEASE_EVERY)
@@ -210,7 +210,7 @@ def test_one_trainer_per_run_name(reference, tmp_path, source):
     import torch
 
     from trainers.format.checkpoints import list_complete
-    from trainers.testing import run_stage
+    from tests.support.training import run_stage
 
     job, job_path = _job(tmp_path, source, LEASE_STEPS, LEASE_EVERY)
     procs, outs = {}, {}
@@ -268,7 +268,7 @@ def test_a_refused_lease_stops_every_rank(tmp_path, source):
     from infra.local import LocalBackend
 
     job, job_path = _job(tmp_path, source, 10, 4)
-    hold = "import sys, time; from trainers.lease import acquire; acquire(sys.argv[1], 'tiny', 0); print('held', flush=True); time.sleep(600)"
+    hold = "import sys, time; from trainers.folder_lock import acquire; acquire(sys.argv[1], 'tiny', 0); print('held', flush=True); time.sleep(600)"
     holder = subprocess.Popen(
         [sys.executable, "-c", hold, job.save_folder], cwd=ROOT, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "TESSERA_HOLDER": "flow run 'tiny' 1234"},
@@ -335,7 +335,7 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
     from infra.config import ComputeConfig
     from infra.local import LocalBackend
     from trainers.format.checkpoints import list_complete
-    from trainers.testing import live_group_members
+    from tests.support.training import live_group_members
 
     job, job_path = _job(tmp_path, source, 300, 50)
     logs = tmp_path / "logs"
@@ -390,7 +390,7 @@ def test_metrics_survive_a_tracking_server_outage(tmp_path, source, outage_s):
     from infra.local import LocalBackend
     from trainers.metrics_outbox import journal_path
     from trainers.progress import parse_progress
-    from trainers.testing import MlflowServer
+    from tests.support.training import MlflowServer
 
     with MlflowServer(tmp_path / "mlflow") as server:
         client = MlflowClient(server.uri)

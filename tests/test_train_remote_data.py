@@ -19,7 +19,7 @@ def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, mo
     from trainers.config import StageConfig
     from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
     from trainers.data import build_stage_data, build_val_evaluators
-    from trainers.testing import tiny_job, write_mds
+    from tests.support.training import tiny_job, write_mds
 
     local = write_mds(tmp_path / "a", 8000, SEQ, 512, seed=1)  # 64 KiB shards: 8 of them
     shards = sorted(local.glob("*.mds"))

@@ -194,7 +194,7 @@ def test_a_second_click_reads_as_a_refusal(first_hour):
 
 
 def test_mlflow_shows_the_run_and_the_registry(first_hour, person):
-    from tasks.tracking import model_ui_url, run_ui_url
+    from tasks.mlflow_run import model_ui_url, run_ui_url
     from tasks.tracking_config import TrackingConfig
 
     from mlflow.tracking import MlflowClient

@@ -19,7 +19,7 @@ from composer.algorithms import GradientClipping
 from composer.core import Event
 from composer.models import HuggingFaceModel
 
-from trainers import lease
+from trainers import folder_lock
 from trainers import model as model_lib
 from trainers.callbacks import LossGuard, MlflowMetrics, Progress
 from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, TrainJob
@@ -162,7 +162,7 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     """
 
     def decide() -> tuple[StartPlan, int]:
-        lease.acquire(job.save_folder, job.run_name)
+        folder_lock.acquire(job.save_folder, job.run_name)
         plan = plan_start(job, stage_index)
         return plan, pending_skip(RunFolder.of(job), stage_index, plan.tokens)
 

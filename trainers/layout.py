@@ -4,7 +4,7 @@ Layout of `save_folder` (names are scoped by run_name, so two runs can share a f
     <run>-s<K>-tok<T>-rank0.pt       Composer checkpoint of stage K after T tokens of the run
     latest-<run>-s<K>-rank0.pt       symlink Composer autoresume follows, per stage
     manifests/tok-<T>.json           done-marker (trainers/checkpoints.py), written after the .pt is complete
-    <run>-stages.json                ledger of stage specs already trained on (trainers/ledger.py)
+    <run>-stages.json                ledger of stage specs already trained on (trainers/trained_stages.py)
     <run>-rollbacks.json             loss-anomaly rollbacks (trainers/rollback.py)
     <run>-s<K>-tok<T>-rank0.pt.corrupt   the newest checkpoint withdrawn as damaged, kept for a look
 With an s3:// train.save_folder the same names also live remotely (trainers/remote.py, whose

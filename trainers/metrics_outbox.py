@@ -28,7 +28,7 @@ step], ...], "tags": [[key, value], ...]} and {"ack": n} (rows up to seq n deliv
 Rows are delivered to the current job's tracking URI, under the run id they were recorded for.
 
 No torch or Composer imports: the flow may deliver a finished run's leftovers with `deliver_pending`
-(holding the run's lease, trainers.lease, so that no trainer writes the journal meanwhile).
+(holding the run's lease, trainers.folder_lock, so that no trainer writes the journal meanwhile).
 """
 
 from __future__ import annotations

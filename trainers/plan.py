@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainers import ledger
+from trainers import trained_stages
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.config import Stage, TrainJob
@@ -59,7 +59,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     if remote is not None:
         remote.pull_json_list(folder.ledger)
         remote.pull_json_list(folder.rollbacks)
-    ledger.check(folder, job.train.stages)
+    trained_stages.check(folder, job.train.stages)
 
     good: list[CheckpointInfo] = []
     for info in _repaired(folder, [job.stage(k) for k in range(len(job.train.stages))]):
@@ -76,11 +76,11 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     if own:
         newest = max(own, key=lambda c: c.tokens)
         folder.point_latest(stage_index, Path(newest.path))
-        ledger.record(folder, job.train.stages, stage_index, remote)
+        trained_stages.record(folder, job.train.stages, stage_index, remote)
         return StartPlan("resume", None, newest.tokens, newest.model_dump())
     folder.point_latest(stage_index, None)
     if stage_index == 0:
-        ledger.record(folder, job.train.stages, 0, remote)
+        trained_stages.record(folder, job.train.stages, 0, remote)
         return StartPlan("fresh", None, 0)
     ends = [c for c in good if c.stage_index == stage_index - 1 and c.tokens == stage.start]
     if not ends:
@@ -89,7 +89,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
             f"--stage {stage_index}: stage {prev!r} has no complete checkpoint at its end ({stage.start} tokens) "
             f"in {job.save_folder}; train stage {stage_index - 1} first"
         )
-    ledger.record(folder, job.train.stages, stage_index, remote)
+    trained_stages.record(folder, job.train.stages, stage_index, remote)
     return StartPlan("enter", ends[-1].path, stage.start, ends[-1].model_dump())
 
 

@@ -98,13 +98,13 @@ def exit_now(wait: bool = True) -> None:
     if wait and not _EXITING.acquire(blocking=False):
         while True:  # another thread is already ending the process
             time.sleep(1)
-    from tasks.data import lease, outputs  # both check for a stop: import late
+    from tasks.data import claim, outputs  # both check for a stop: import late
 
     signum = _signal or signal.SIGTERM
     if wait:
         outputs.wait_for_staging(deadline=_since + GRACE_S)
     outputs.remove_staging()  # whatever a thread did not clear in time; never renamed in
-    lease.release_all()  # so a rerun on another host need not wait for them to expire
+    claim.release_all()  # so a rerun on another host need not wait for them to expire
     _kill_children()
     # On a line of its own: Prefect's logging may have left one unfinished.
     print(f"\ntessera: interrupted by {_name(signum)}: nothing partial was published; finished sources "

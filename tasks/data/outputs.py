@@ -1,7 +1,7 @@
 """Content-addressed output directories: staged beside the target, renamed in, marked done last.
 
 A directory without the done-marker is never used: it is what a killed run leaves, and the next
-run replaces it. Staging happens under the output's lease (tasks/data/lease.py): only the lease
+run replaces it. Staging happens under the output's lease (tasks/data/claim.py): only the lease
 holder writes an output or its staging, so whatever staging it finds was left by a dead run,
 on this host or another, and is removed.
 
@@ -91,7 +91,7 @@ def write_json(path: str, obj: object) -> None:
 def staging(out: str, lease) -> Iterator[str]:
     """Yield a fresh directory to fill; on success it becomes `out`, done-marker written last.
 
-    The caller holds `lease` (a tasks.data.lease.Lease) on `out`. Nothing is renamed in after a
+    The caller holds `lease` (a tasks.data.claim.Lease) on `out`. Nothing is renamed in after a
     stop request or once the lease was lost.
     """
     out = os.path.abspath(out)
@@ -108,7 +108,7 @@ def staging(out: str, lease) -> Iterator[str]:
             with permanent_errors("cannot write prepared data"):
                 yield tmp
             interrupt.check()
-            lease.check()
+            claim.check()
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

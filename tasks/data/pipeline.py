@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.data import hashing, interrupt, lease, outputs, parallel, readers, remote_root, storage, worker
+from tasks.data import claim, hashing, interrupt, outputs, parallel, readers, remote_root, storage, worker
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
 from tasks.data.mds import SplitWriter, columns
@@ -210,11 +210,11 @@ def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
         return done
     outputs.ensure_root(data.local_root)
 
-    def waiting(holder: lease.Holder) -> None:
+    def waiting(holder: claim.Holder) -> None:
         log.warning("source %s: another run (%s) is preparing %s; waiting for it", src.name, holder.describe(), p.out)
 
     with outputs.permanent_errors("cannot write prepared data"), \
-            lease.hold(p.out, on_wait=waiting, check_stop=interrupt.check) as held:
+            claim.hold(p.out, on_wait=waiting, check_stop=interrupt.check) as held:
         done = cached_result(p)
         if done is not None:
             log.info("source %s: prepared by the run we waited for, at %s", src.name, p.out)
@@ -222,7 +222,7 @@ def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
         return _write(p, data, tok, held, progress)
 
 
-def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: lease.Lease,
+def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
            progress: Callable[[int, int], None] | None) -> PreparedSource:
     src = p.source
     started = time.time()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.data import lease, outputs, storage
+from tasks.data import claim, outputs, storage
 from tasks.data.config import SourceConfig, TokenizerConfig
 from tasks.data.errors import DataError
 
@@ -185,7 +185,7 @@ def resolve(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_
     key = os.path.basename(out).removeprefix("tokenizer-")
     if not outputs.is_done(out):
         outputs.ensure_root(root)
-        with outputs.permanent_errors("cannot write the tokenizer"), lease.hold(out) as held:
+        with outputs.permanent_errors("cannot write the tokenizer"), claim.hold(out) as held:
             if not outputs.is_done(out):  # else a concurrent run wrote it while we waited
                 trained = _train(cfg, sources, chunk_bytes) if cfg.train is not None else None
                 with outputs.staging(out, held) as tmp:

@@ -1,4 +1,6 @@
-"""The stage ledger: the specs of the stages a run has trained on, so a trained stage is never edited.
+"""Trained stages: the specs of the stages a run has trained on, so a trained stage is never edited.
+
+(Not to be confused with tasks/consumed_files.py, the input files continued runs consumed.)
 
 `<save_folder>/<run>-stages.json` lists every stage from the first to the one being trained, as
 its StageConfig. A later launch may append stages (continued pretraining adds one) but not change

@@ -1,5 +1,7 @@
 """The pipeline's MLflow run: found or created once per run name, so retries and reruns reuse it.
 
+(evaluation/mlflow_report.py puts a gauntlet report on a run; this module owns the run itself.)
+
 Two kinds of trouble with the tracking server, handled differently:
 - at the start of a run (`open_run`) an unusable server is bad input: fail in seconds with one
   line, before any compute is spent;

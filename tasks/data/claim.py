@@ -1,6 +1,10 @@
-"""One writer per output directory, across processes on one host and hosts sharing the data root.
+"""An output's claim: one writer per prepared-data directory, across processes and hosts sharing the data root.
 
-A lease is a lock file beside the output, `.<name>.lease`, created with O_CREAT|O_EXCL (atomic on
+One of tessera's three exclusions, each named for what it guards: the run-name slot (tasks/run_slot.py,
+one live flow run per run name), this claim (one writer per prepared output), and the save folder's
+lock (trainers/folder_lock.py, one trainer per run's checkpoints).
+
+A claim (a "lease" in the code below) is a lock file beside the output, `.<name>.lease`, created with O_CREAT|O_EXCL (atomic on
 local filesystems and on NFSv3+), holding its owner's token, host and pid. The holder refreshes
 the file's mtime every TTL_S/4; that mtime is the heartbeat. A lease is stale when its heartbeat is
 older than TTL_S, or at once when its host is this one and its pid is gone (a killed run on this

@@ -1,4 +1,7 @@
-"""One trainer per run name: global rank 0 holds an exclusive flock on `<save_folder>/<run>.lock`.
+"""The save folder's lock: one trainer per run name; global rank 0 holds an exclusive flock on `<save_folder>/<run>.lock`.
+
+(The other two exclusions: the run-name slot, tasks/run_slot.py, one live flow run per run name; an
+output's claim, tasks/data/claim.py, one writer per prepared-data directory.)
 
 Why the trainer enforces it itself: `plan_start` deletes unpublished checkpoint files and
 re-points the latest symlink, so a second trainer of a live run would delete the file the first

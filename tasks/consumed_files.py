@@ -1,4 +1,6 @@
-"""Which input files continued pretraining has already consumed, kept in MLflow so it outlives any work dir.
+"""Consumed files: which input files continued pretraining has already trained on, kept in MLflow.
+
+(Not to be confused with trainers/trained_stages.py, the stages a run has trained on.)
 
 Each finished continued run logs `ledger/consumed.json` (the files it trained on, with their size
 and mtime or S3 ETag) and is tagged `tessera.continues_model=<registered model>`. The ledger of a
@@ -67,7 +69,7 @@ def list_inputs(new_data: str) -> list[Consumed]:
 
 
 def _client(tracking: TrackingConfig):
-    from tasks.tracking import client_for
+    from tasks.mlflow_run import client_for
 
     return client_for(tracking)
 
@@ -103,7 +105,7 @@ def new_inputs(inputs: list[Consumed], seen: list[Consumed]) -> list[Consumed]:
 
 def record(tracking: TrackingConfig, run_id: str, files: list[Consumed]) -> None:
     """Log this run's consumed files; called only once the run has trained and registered them."""
-    from tasks.tracking import retrying
+    from tasks.mlflow_run import retrying
 
     client = _client(tracking)
     with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:

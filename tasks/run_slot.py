@@ -1,10 +1,13 @@
-"""One live pipeline per run name, through Prefect's global concurrency limits.
+"""The run-name slot: one live pipeline per run name, through Prefect's global concurrency limits.
+
+(The other two exclusions: an output's claim, tasks/data/claim.py; the save folder's lock,
+trainers/folder_lock.py, which also covers trainers started outside Prefect.)
 
 Runs start from clicks and schedules: a double click, or a schedule firing while someone's manual
 run of the same name trains, must never put two trainers into one save folder. The flow takes the
 only slot of a global concurrency limit named after the run, on a lease it renews while it
 lives, so a flow process killed outright frees the slot when its lease expires. The trainer
-holds its own lock on the save folder too (trainers/lease.py), which covers trainers started
+holds its own lock on the save folder too (trainers/folder_lock.py), which covers trainers started
 outside Prefect.
 
 A slot can also outlive its holder: when the Prefect server restarts, a lease renewal can fail
