@@ -13,29 +13,25 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.evaluate import score_model
 from flows.pipeline import PipelineResult, RunTarget, run_pipeline
 from flows.prepare import prepare_sources
 from flows.outcome import form_values, run_or_end
 from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
-from tasks import consumed_files
+from tasks import consumed_files, continuation
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
-from tasks.promote import Decision, champion_version, decide, record_decision
+from tasks.mlflow_run import client_for, retrying
+from tasks.promote import Decision, champion_version, promote_challenger
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
-from tasks.mlflow_run import client_for, resolved_uri, retrying
-from trainers.remote import fetch_folder
 
 
 class ContinueParams(RunTarget):
@@ -100,123 +96,8 @@ class ContinueResult(BaseModel):
     champion: int | None = Field(None, description="The champion version after this run.")
 
 
-def _base_version(recipe: Recipe, base: str | None):
-    """(name, version) the base URI names; one line when it names nothing."""
-    from mlflow.exceptions import MlflowException
-
-    uri = base or f"models:/{recipe.tracking.registered_model}@{CHAMPION_ALIAS}"
-    ref = uri.removeprefix("models:/")
-    client = client_for(recipe.tracking)
-    try:
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
-        else:
-            name, _, number = ref.rpartition("/")
-            mv = client.get_model_version(name, number)
-    except MlflowException:
-        hint = " (run pretrain_pipeline first, or `tessera promote models:/NAME/N`)" if base is None else ""
-        raise RecipeError(f"base: {uri} names no model version in {recipe.tracking.tracking_uri}{hint}") from None
-    return mv
-
-
-def _pinned_tokenizer(recipe: Recipe, base_run_id: str) -> dict:
-    """The base run's tokenizer: a `train:` tokenizer would otherwise be retrained with the new data in it."""
-    raw = recipe.data.tokenizer.model_dump(mode="json")
-    if recipe.data.tokenizer.train is None:
-        return raw
-    import json
-    import tempfile
-
-    client = client_for(recipe.tracking)
-    with tempfile.TemporaryDirectory() as tmp:
-        job = json.loads(Path(client.download_artifacts(base_run_id, "recipe/job.json", tmp)).read_text())
-    path = job["tokenizer_dir"]
-    if "://" in path:  # published beside the data under an s3:// root; the working copy is usually still here
-        path = str(fetch_folder(path, Path(recipe.data.local_root) / Path(path).name))
-    return {**raw, "path": path, "train": None}
-
-
 def _per_step(recipe: Recipe) -> int:
     return recipe.train.global_batch_size * recipe.data.seq_len
-
-
-def _derive(recipe: Recipe, params: ContinueParams, base_uri: str, source: dict, tokenizer: dict, budget: int,
-            base_mv) -> Recipe:  # fmt: skip
-    """The recipe of the continued run: one stage over the new source plus replay, from the base's weights."""
-    raw = recipe.model_dump(mode="json")
-    raw["data"]["sources"].append(source)
-    raw["data"]["tokenizer"] = tokenizer
-    replay = recipe.train.stages[-1].mixture
-    mixture = {source["name"]: 1.0 - params.replay_fraction}
-    if params.replay_fraction > 0:
-        mixture |= {name: params.replay_fraction * share for name, share in replay.items()}
-    per_step = _per_step(recipe)
-    rewarm = int(budget * params.rewarm_fraction) // per_step * per_step
-    raw["train"]["stages"] = [{"name": "continued", "tokens": budget, "mixture": mixture}]
-    raw["train"]["optim"] |= {
-        "lr": params.lr or recipe.train.optim.lr, "warmup_tokens": rewarm, "schedule": params.schedule,
-        "decay_tokens": budget,
-    }  # fmt: skip
-    checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
-    raw["model"]["init_from"] = base_uri
-    raw["train"]["init_optimizer_from"] = checkpoint if checkpoint else None
-    if recipe.eval.every > budget:  # at least the stage end is evaluated either way
-        raw["eval"]["every"] = budget
-    promote = recipe.promote.model_dump()
-    if params.min_gain is not None:
-        promote["min_gain"] = params.min_gain
-    if params.max_category_drop is not None:
-        promote["max_category_drop"] = params.max_category_drop
-    raw["promote"] = promote
-    try:
-        return Recipe.model_validate(raw)
-    except Exception as exc:  # noqa: BLE001 - the derived recipe failing means the inputs were inconsistent
-        raise RecipeError(f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}") from None
-
-
-@task(cache_policy=NO_CACHE)
-def promote_challenger(recipe: Recipe, run_name: str, run_id: str, challenger: int, max_seq_len: int
-                       ) -> tuple[Decision | None, int | None]:  # fmt: skip
-    """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
-    from evaluation.compare import render_comparison_html
-    from evaluation.report import compare_markdown
-
-    logger = get_run_logger()
-    name = recipe.tracking.registered_model
-    client = client_for(recipe.tracking)
-    champion = champion_version(client, name)
-    if champion is None or champion == str(challenger):
-        return None, int(champion) if champion else None
-    cfg = recipe.eval.model_copy(update={"strict": True, "max_seq_len": recipe.eval.max_seq_len or max_seq_len})
-    uri = resolved_uri(recipe.tracking.tracking_uri)
-    a = score_model.with_options(task_run_name=f"score-champion-v{champion}")(f"models:/{name}/{champion}", cfg, uri)
-    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(f"models:/{name}/{challenger}",
-                                                                                   cfg, uri)  # fmt: skip
-    decision = decide(a, b, recipe.promote)
-    record_decision(client, name, champion, str(challenger), decision, run_name)
-    verdict = (f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
-               f"{decision.summary()}; rule: {decision.rule}" + (f"; {'; '.join(decision.reasons)}" if decision.reasons
-                                                                 else ""))  # fmt: skip
-    markdown = f"# Promotion of {name} v{challenger}\n\n**{verdict}**\n\n" + compare_markdown(
-        a, b, f"champion v{champion}", f"challenger v{challenger}")
-    html = render_comparison_html(a, b, f"champion v{champion}", f"challenger v{challenger}",
-                                  f"{name}: champion v{champion} vs challenger v{challenger}", verdict)  # fmt: skip
-    create_markdown_artifact(key=artifact_key(run_name, "promotion"), markdown=markdown,
-                             description=f"Champion/challenger comparison of run {run_name}")  # fmt: skip
-    retrying("logging the promotion report", lambda: (
-        client.log_text(run_id, html, "promotion/comparison.html"),
-        client.log_text(run_id, markdown, "promotion/comparison.md"),
-        client.log_text(run_id, decision.model_dump_json(indent=1), "promotion/decision.json"),
-    ))  # fmt: skip
-    logger.info(verdict)
-    return decision, int(champion_version(client, name) or 0) or None
-
-
-def _default_run_name(recipe: Recipe, version: str, files: list[consumed_files.Consumed]) -> str:
-    """Deterministic from the base and the new files: a retry or rerun of the same continuation resumes it."""
-    digest = hashlib.sha256("\n".join(f"{p}|{s}|{v}" for p, s, v in sorted(f.key for f in files)).encode())
-    return f"{recipe.name}-cpt-v{version}-{digest.hexdigest()[:8]}"
 
 
 def _flow_run_name() -> str:
@@ -251,21 +132,30 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         champion = champion_version(client_for(recipe.tracking), name)
         return ContinueResult(run_name=params.run_name or "", base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
                               new_files=0, trained=False, champion=int(champion) if champion else None)  # fmt: skip
-    base_mv = _base_version(recipe, params.base)
+    base_mv = continuation.base_version(recipe.tracking, params.base)
     name, version = base_mv.name, str(base_mv.version)
     base_uri = f"models:/{name}/{version}"
-    run_name = params.run_name or _default_run_name(recipe, version, fresh)
+    run_name = params.run_name or continuation.default_run_name(recipe.name, version, fresh)
     logger.info("continuing %s (run %s) on %d new file(s) of %d under %s", base_uri, run_name, len(fresh), len(inputs),
                 params.new_data)  # fmt: skip
 
     source_name = f"new-{run_name.rsplit('-', 1)[-1]}"
     source = {"name": source_name, "kind": params.new_data_format, "paths": [f.path for f in fresh]}
     source |= {"separator": params.separator} if params.new_data_format == "text" else {"text_field": params.text_field}
-    tokenizer = _pinned_tokenizer(recipe, base_mv.run_id)
+    tokenizer = continuation.pinned_tokenizer(recipe.data, recipe.tracking, base_mv.run_id)
     budget = params.tokens or _one_pass(recipe, source, tokenizer, params.replay_fraction)
     per_step = _per_step(recipe)
     budget = max(per_step, budget // per_step * per_step)
-    continued = _derive(recipe, params, base_uri, source, tokenizer, budget, base_mv)
+    checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
+    raw = continuation.derive(
+        recipe.model_dump(mode="json"), base_uri=base_uri, checkpoint=checkpoint, source=source, tokenizer=tokenizer,
+        budget=budget, replay_fraction=params.replay_fraction, rewarm_fraction=params.rewarm_fraction, lr=params.lr,
+        schedule=params.schedule, min_gain=params.min_gain, max_category_drop=params.max_category_drop,
+    )  # fmt: skip
+    try:
+        continued = Recipe.model_validate(raw)
+    except Exception as exc:  # noqa: BLE001 - the derived recipe failing means the inputs were inconsistent
+        raise RecipeError(f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}") from None
     logger.info("continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
                 run_name, budget, 100 * params.replay_fraction, ", ".join(recipe.train.stages[-1].mixture),
                 continued.train.optim.lr, continued.train.optim.warmup_tokens, params.schedule)  # fmt: skip
@@ -283,8 +173,8 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     challenger = int(best) if best else None
     decision, champion = (None, None)
     if challenger is not None:
-        decision, champion = promote_challenger(continued, run_name, result.mlflow_run_id, challenger,
-                                                continued.data.seq_len)  # fmt: skip
+        decision, champion = promote_challenger(continued.eval, continued.tracking, continued.promote, run_name,
+                                                result.mlflow_run_id, challenger, continued.data.seq_len)  # fmt: skip
     # Only now do the files count as consumed: a run that failed before here trains on them again.
     consumed_files.record(continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh])
     return ContinueResult(run_name=run_name, base=base_uri, new_files=len(fresh), trained=True, pipeline=result,

@@ -7,16 +7,15 @@ report shows per-task deltas: the basis for promoting a checkpoint.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
-from prefect import flow, task
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
 from flows.recipe import form_input
+from tasks.score import score_model, write_reports
 
 
 class EvalParams(BaseModel):
@@ -58,23 +57,11 @@ class EvalOutcome(BaseModel):
     files: list[str] = Field(default_factory=list, description="Report files written under output_dir.")
 
 
-@task(cache_policy=NO_CACHE, task_run_name="score-{model}")
-def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
-    """Load and score one model; returns an evaluation.GauntletReport."""
-    from evaluation.models import load_model
-    from evaluation.runner import run_gauntlet
-
-    loaded = load_model(model, tracking_uri)
-    return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
-
-
 @flow(name="tessera-eval", log_prints=True, validate_parameters=False)
 def eval_flow(params: EvalParams) -> EvalOutcome:
     from flows.outcome import form_values
 
     params = form_values(EvalParams, params)  # one line, also with the UI's validation switched off
-    from evaluation.html import render_html
-    from evaluation.report import compare_markdown
 
     cfg = EvalConfig(
         every=1,  # unused outside training
@@ -87,50 +74,17 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         strict=params.strict,
     )
     report = score_model(params.model, cfg, params.tracking_uri)
-    markdown = report.to_markdown(f"Eval gauntlet: {params.model}")
-    baseline = None
-    comparison = None
-    if params.compare_to:
-        baseline = score_model(params.compare_to, cfg, params.tracking_uri)
-        comparison = compare_markdown(baseline, report, params.compare_to, params.model)
-        markdown = f"{markdown}\n{comparison}"
-    create_markdown_artifact(markdown=markdown, description=f"tessera eval of {params.model}")
-    if params.run_id:
-        from evaluation.mlflow_report import log_report
-
-        if not params.tracking_uri:
-            raise ValueError("run_id needs tracking_uri")
-        log_report(params.tracking_uri, params.run_id, report, step=params.step, title=f"Eval gauntlet: {params.model}")
-
-    files: list[str] = []
-    if params.output_dir:
-        out = Path(params.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        written = {
-            "report.md": report.to_markdown(f"Eval gauntlet: {params.model}"),
-            "report.json": report.to_json(),
-            "report.html": render_html(report, f"Eval gauntlet: {params.model}"),
-        }
-        if comparison:
-            from evaluation.compare import compare_png, render_comparison_html
-
-            title = f"{params.compare_to} vs {params.model}"
-            written["comparison.md"] = comparison
-            written["comparison.html"] = render_comparison_html(baseline, report, params.compare_to, params.model, title)
-            png = compare_png(baseline, report, params.compare_to, params.model)
-            if png is not None:
-                (out / "comparison.png").write_bytes(png)
-                files.append(str(out / "comparison.png"))
-        for name, text in written.items():
-            (out / name).write_text(text)
-            files.append(str(out / name))
-    print(markdown)
+    baseline = score_model(params.compare_to, cfg, params.tracking_uri) if params.compare_to else None
+    written = write_reports(report, baseline, params.model, params.compare_to, params.output_dir,
+                            params.tracking_uri, params.run_id, params.step)  # fmt: skip
+    create_markdown_artifact(markdown=written.markdown, description=f"tessera eval of {params.model}")
+    print(written.markdown)
     return EvalOutcome(
         average=report.average,
         metrics=report.metrics(),
-        markdown=markdown,
+        markdown=written.markdown,
         baseline_average=None if baseline is None else baseline.average,
-        files=files,
+        files=written.files,
     )
 
 

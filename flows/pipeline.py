@@ -19,30 +19,29 @@ from typing import Annotated, Literal
 import yaml
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
-from prefect.futures import PrefectFuture, wait
-from prefect.utilities.annotations import allow_failure
+from prefect.futures import wait
 from pydantic import BaseModel, Field
 
 from flows.outcome import REFUSED, form_values, run_or_end
 from flows.prepare import prepare_recipe_data
 from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, form_input, load_recipe
 from flows.runtime import prepare_process
-from infra import allow_launches, cancel_all
-from tasks import pins
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
-from tasks.evaluate import evaluate_checkpoint
+from tasks.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.run_slot import one_per_run, run_tag
-from tasks.register import (
-    Registration,
-    existing_registrations,
-    move_aliases,
-    register_checkpoint,
-)
+from tasks.register import Registration, move_aliases
 from tasks.mlflow_run import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
-from tasks.train import deliver_metrics, train_stage, write_job
-from trainers.format.checkpoints import CheckpointInfo, list_complete
-from trainers.config import MlflowTarget, TrainJob
+from tasks.train import (
+    MlflowTarget,
+    TrainJob,
+    allow_launches,
+    deliver_metrics,
+    make_job,
+    stop_launched_jobs,
+    train_stage,
+    write_job,
+)
 
 POLL_SECONDS = 2.0
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -85,128 +84,7 @@ class PipelineResult(BaseModel):
     registrations: list[Registration]
 
 
-class _CheckpointWatcher:
-    """Evaluates, then registers, each checkpoint not seen before.
-
-    Evaluations run one at a time (they share the CPU with training) and registrations one at a
-    time (alias moves must not interleave); a failed evaluation skips only its own registration.
-    Each checkpoint is pinned first (tasks/pins.py), so a keep-last-K cleanup in the trainer cannot
-    delete it while it waits to be scored and exported, and unpinned once registered. At most
-    `pins.MAX_WAITING` pinned checkpoints wait behind the one being scored: when the gauntlet is
-    slower than the checkpoint interval the oldest are skipped, each named in the log, so pins
-    never fill the disk.
-    """
-
-    def __init__(self, recipe: Recipe, run_id: str, run_dir: Path, run_name: str, remote_folder: str | None = None,
-                 version_tags: dict[str, str] | None = None):  # fmt: skip
-        self.recipe, self.run_id, self.run_name = recipe, run_id, run_name
-        # A version is a promotion candidate only if scored on the whole gauntlet: a missing task
-        # file fails its evaluation (and so skips its registration) instead of scoring a part of it.
-        self.eval_cfg = recipe.eval.model_copy(update={"strict": True})
-        self.remote_folder, self.version_tags = remote_folder, version_tags or {}
-        self.pins = run_dir / "pins"
-        # Pins a crashed flow left: what is still in the save folder is pinned again as it is found.
-        stale = pins.drop_stale(self.pins)
-        if stale:
-            get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
-        self.backlog: pins.Backlog[tuple[CheckpointInfo, CheckpointInfo]] = pins.Backlog()  # (checkpoint, pinned)
-        self.seen: set[int] = set()
-        self.pending: list[tuple[PrefectFuture, PrefectFuture, Path]] = []
-        self.done: list[Registration] = []
-        self.already = existing_registrations(recipe.tracking, run_id)
-
-    def sweep(self, save_folder: Path) -> None:
-        self._unpin_finished()
-        for ckpt in self._complete(save_folder):
-            if ckpt.tokens not in self.seen:
-                self.seen.add(ckpt.tokens)
-                self._enqueue(ckpt)
-                self._submit_if_idle()
-        self._submit_if_idle()
-
-    def _enqueue(self, ckpt: CheckpointInfo) -> None:
-        if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
-            self.done.append(self.already[ckpt.tokens])
-            return
-        pinned = self._pin(ckpt)
-        if pinned is None:
-            return
-        if self._in_pods:  # pods read s3 and are bounded by a concurrency limit: nothing held locally
-            self._submit(ckpt, pinned)
-            return
-        for skipped, held in self.backlog.add((ckpt, pinned)):
-            get_run_logger().warning(
-                "skipping the gauntlet for the checkpoint at %d tokens (%s): evaluation is behind training, "
-                "%d newer checkpoints are waiting", skipped.tokens, skipped.path, pins.MAX_WAITING)  # fmt: skip
-            pins.unpin(Path(held.path))
-
-    def _scoring(self) -> bool:
-        """An evaluation is still running (local futures: no API round trip)."""
-        return bool(wait([summary for summary, _, _ in self.pending], timeout=0).not_done)
-
-    def _submit_if_idle(self) -> None:
-        if not self._scoring():
-            self._submit_next()
-
-    def _submit_next(self) -> None:
-        item = self.backlog.take()
-        if item is not None:
-            self._submit(*item)
-
-    @property
-    def _in_pods(self) -> bool:
-        return self.recipe.compute.backend == "kubernetes"
-
-    def _complete(self, save_folder: Path) -> list[CheckpointInfo]:
-        if self._in_pods:  # the trainer's folder is in its pod: watch the s3 mirror
-            from trainers.remote import RemoteFolder
-
-            return RemoteFolder(self.remote_folder).complete()
-        return list_complete(save_folder)
-
-    def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
-        if ckpt.path.startswith("s3://"):  # nothing local to pin; the evaluation pod reads it from s3
-            return ckpt
-        held = pins.pin(ckpt.path, self.pins)
-        return None if held is None else ckpt.model_copy(update={"path": str(held)})
-
-    def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
-        previous = self.pending[-1] if self.pending else None
-        summary = evaluate_checkpoint.submit(
-            pinned, self.eval_cfg, self.recipe.tracking, self.run_id, self.recipe.data.seq_len, self.run_name,
-            # in-process evaluations share the CPU with training: one at a time; pods are bounded by
-            # compute.kubernetes.eval_concurrency (a Prefect concurrency limit) instead
-            self.recipe.compute, wait_for=[allow_failure(previous[0])] if previous and not self._in_pods else None,
-        )  # fmt: skip
-        # The version records where the checkpoint itself lives (not the pin, which goes once registered),
-        # so continued pretraining can find its optimizer state.
-        where = f"{self.remote_folder}/{Path(ckpt.path).name}" if self.remote_folder else ckpt.path
-        registration = register_checkpoint.submit(
-            pinned, summary, self.recipe.tracking, self.run_id, self.recipe.content_hash(), self.remote_folder,
-            {**self.version_tags, "checkpoint": where},
-            wait_for=[allow_failure(previous[1])] if previous else None,
-        )  # fmt: skip
-        self.pending.append((summary, registration, Path(pinned.path)))
-
-    def _unpin_finished(self) -> None:
-        finished = wait([r for _, r, _ in self.pending], timeout=0).done  # local futures: no API round trip
-        for _, registration, pin in self.pending:
-            if registration in finished:
-                pin.unlink(missing_ok=True)
-
-    def results(self) -> list[Registration]:
-        """Every registration, oldest first; raises the first evaluation or registration error."""
-        while len(self.backlog):  # training is over: what is still waiting is scored, in order
-            self._submit_next()
-        wait([f for pair in self.pending for f in pair[:2]])
-        self._unpin_finished()
-        for summary, registration, _ in self.pending:
-            summary.result()  # surfaces a failed evaluation as itself, not as an unfinished registration
-            self.done.append(registration.result())
-        return sorted(self.done, key=lambda r: r.tokens)
-
-
-def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, watcher: _CheckpointWatcher,
+def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, queue: GauntletQueue,
                      holder: str) -> None:  # fmt: skip
     save_folder = Path(job.save_folder)
     for k, stage in enumerate(recipe.train.stages):
@@ -214,18 +92,10 @@ def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Pat
             str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder
         )
         while not wait([training], timeout=POLL_SECONDS).done:
-            watcher.sweep(save_folder)
+            queue.sweep(save_folder)
         training.result()
-        watcher.sweep(save_folder)
+        queue.sweep(save_folder)
     deliver_metrics(job)
-
-
-def _local_save_folder(recipe: Recipe, run_name: str, run_dir: Path) -> Path:
-    """The trainer's local checkpoint folder; with an s3:// train.save_folder it is the working copy."""
-    folder = recipe.train.save_folder
-    if folder is None or folder.startswith("s3://"):
-        return run_dir / "checkpoints"
-    return Path(folder).resolve() / run_name
 
 
 def _git_sha() -> str:
@@ -363,34 +233,24 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
         _link_mlflow_run(recipe, run_name, run_id)
 
         data = prepare_recipe_data(recipe.data, recipe.train.stages, run_name)
-        prepared = data.prepared
-        job = TrainJob(
-            run_name=run_name,
-            model=recipe.model,
-            train=recipe.train,
-            vocab_size=prepared.tokenizer.vocab_size,
-            eos_token_id=prepared.tokenizer.eos_token_id,
-            seq_len=recipe.data.seq_len,
-            streams={name: str(src.path) for name, src in prepared.sources.items()},
-            seq_len_streams=data.seq_len_streams,
-            val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
-            save_folder=str(_local_save_folder(recipe, run_name, run_dir)),
-            checkpoint_every_tokens=recipe.eval.every,
-            tokenizer_dir=prepared.tokenizer.uri or str(prepared.tokenizer.hf_dir),
-            mlflow=MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
-        )
+        job = make_job(run_name, recipe.model, recipe.train, recipe.data.seq_len, data.prepared,
+                       data.seq_len_streams, recipe.eval.every, run_dir, MlflowTarget(
+                           tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id))  # fmt: skip
         job_path = write_job(job, run_dir / "job.json")
         record_run(recipe.tracking, run_id, {"data.vocab_size": str(job.vocab_size)}, {}, {"recipe": str(job_path)})
-        watcher = _CheckpointWatcher(recipe, run_id, run_dir, run_name, job.remote_folder, version_tags)
+        queue = GauntletQueue(QueueTarget(
+            run_name=run_name, run_id=run_id, eval=recipe.eval, tracking=recipe.tracking, compute=recipe.compute,
+            seq_len=recipe.data.seq_len, recipe_hash=recipe.content_hash(), remote_folder=job.remote_folder,
+        ), run_dir, version_tags)  # fmt: skip
         holder = f"flow run {flow_run.name!r} ({flow_run.id}{', ' + flow_url if flow_url else ''})"
         try:
-            _train_and_watch(recipe, job, job_path, run_dir, watcher, holder)
+            _train_and_watch(recipe, job, job_path, run_dir, queue, holder)
         except BaseException:
             # The stage runs in a task thread that Prefect cannot interrupt: stop its job here, so a
             # failed or interrupted flow never leaves a trainer writing into the run's folder.
-            cancel_all()
+            stop_launched_jobs()
             raise
-        registrations = watcher.results()
+        registrations = queue.results()
         if registrations:  # a rerun after a crash between registering and moving aliases heals here
             latest, best = move_aliases(recipe.tracking, run_id)
             registrations = [r.model_copy(update={"latest": latest, "best": best}) for r in registrations]

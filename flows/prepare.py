@@ -13,12 +13,11 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel, Field
 
 from tasks import prepare as prepare_tasks
-from tasks.data import interrupt, mds, outputs, parallel, pipeline, remote_root
+from tasks.data import interrupt, mds, pipeline, remote_root
 from tasks.data.config import DataConfig
 from tasks.data.errors import DataError
 from tasks.data.results import PreparedData, PreparedSource, summarize
 from tasks.data.tokenizer import TokenizerInfo
-from tasks.data.tokenizer import output_dir as tokenizer_dir
 from trainers.config import StageConfig
 
 __all__ = ["warm_up", "prepare_data", "prepare_recipe_data", "prepare_sources", "RecipeData", "PreparedData", "PreparedSource", "TokenizerInfo", "DataError", "summarize"]
@@ -58,44 +57,17 @@ def _progress_bars(data: DataConfig, logger, every_s: float = 20.0):
             bar.close()
 
 
-def _publish_tokenizer(tok: TokenizerInfo, root: str) -> TokenizerInfo:
-    """Beside the data in the bucket, done-marker last: a training pod cannot read the flow's disk."""
-    uri = f"{root.rstrip('/')}/{Path(tok.hf_dir).name}"
-    if not remote_root.is_done(uri):
-        remote_root.publish(tok.hf_dir, uri)
-    return tok.model_copy(update={"uri": uri})
-
-
 @flow(name="prepare-sources")
 def prepare_sources(data: DataConfig) -> PreparedData:
     """Tokenize each source into `<data.root>/<source>-<hash>`; finished sources are skipped."""
     logger = get_run_logger()
-    tok_dir = tokenizer_dir(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
-    tok = prepare_tasks.prepare_tokenizer.with_options(refresh_cache=not outputs.is_done(tok_dir))(
-        data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
-
-    was_done, pooled = {}, False
-    for src in data.sources:
-        plan = pipeline.plan(src, data, tok)
-        was_done[src.name] = pipeline.is_published(plan)
-        if was_done[src.name]:
-            logger.info("source %s: up to date at %s, nothing to do", src.name, plan.out)
-        else:
-            pooled = pooled or pipeline.uses_pool(plan, data)
-    if not all(was_done.values()):
-        mds.preload()  # a no-op when warm_up started it already
-    if pooled:
-        # Start the tokenizer processes while the first source is planned. Only when some source is
-        # cut into parts: one that is not runs in this process, and spawning the pool would only
-        # cost seconds of CPU (and its shutdown at exit) for nothing.
-        parallel.warm(data.workers or parallel.default_workers())
-
+    tok = prepare_tasks.prepare_tokenizer(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
+    plans = prepare_tasks.plan_sources(data, tok)
     futures = {}
     with _progress_bars(data, logger):
         try:
-            for src in data.sources:
-                task = prepare_tasks.prepare_source.with_options(refresh_cache=not was_done[src.name])
-                futures[src.name] = task.submit(src, data, tok)
+            for plan in plans:
+                futures[plan.source.name] = prepare_tasks.prepare_source.submit(plan, data, tok)
             sources = {name: f.result() for name, f in futures.items()}
         except BaseException as exc:
             # Ctrl-C, or Prefect's TerminationSignal when a worker cancels the run, reaches only this
@@ -103,10 +75,8 @@ def prepare_sources(data: DataConfig) -> PreparedData:
             if not isinstance(exc, Exception):
                 interrupt.request(getattr(exc, "signal", signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None))
             raise
-    # A Prefect cache hit replays the first run's result; say what happened in this run.
-    sources = {n: s.model_copy(update={"cached": was_done[n]}) for n, s in sources.items()}
     if remote_root.is_remote(data.root):
-        tok = _publish_tokenizer(tok, data.root)
+        tok = prepare_tasks.publish_tokenizer(tok, data.root)
     prepared = PreparedData(tokenizer=tok, seq_len=data.seq_len, sources=sources)
 
     create_table_artifact(

@@ -34,13 +34,15 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
     """Errors whose one-line message is the whole story: bad recipes, bad data, an unusable server."""
     from evaluation.errors import GauntletError
     from flows.recipe import RecipeError
+    from tasks.continuation import ContinuationError
     from tasks.data.errors import DataError
     from tasks.run_slot import RunBusy
     from tasks.mlflow_run import TrackingError, TrackingUnavailable
     from tasks.train import TrainingFailed
 
     # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input
-    return (RecipeError, DataError, TrackingError, TrackingUnavailable, TrainingFailed, GauntletError, RunBusy)
+    return (RecipeError, DataError, TrackingError, TrackingUnavailable, TrainingFailed, GauntletError, RunBusy,
+            ContinuationError)
 
 
 class _NoTracebackForBadInput(logging.Filter):

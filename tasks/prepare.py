@@ -1,20 +1,20 @@
-"""Prefect tasks of the prepare stage: resolve the tokenizer, prepare one source.
+"""Prefect tasks of the prepare stage: resolve the tokenizer, plan the sources once, prepare each source.
 
-Both are cached on the same content hash that names their output directory, so a re-run shows
-Cached task runs in the UI. The flow passes `refresh_cache=True` when the directory is missing or
-unfinished, so a cache entry never stands in for data that is no longer there.
+No Prefect result cache: whether an output is prepared is decided by its `_DONE` marker where the data
+lives (docs/ARCHITECTURE.md says why), so a rerun's task runs are Completed quickly, reporting each
+source as cached, and a deleted output is simply written again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Callable
+from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from tasks.data import pipeline
+from tasks.data import mds, parallel, pipeline, remote_root
 from tasks.data import tokenizer as tokenizers_
 from tasks.data.config import DataConfig, SourceConfig, TokenizerConfig
 from tasks.data.errors import DataError
@@ -26,44 +26,56 @@ from tasks.retry import retry_unless
 # parameters because Prefect records parameters and a callable is not data.
 PROGRESS: dict[str, Callable[[int, int], None]] = {}
 
-
-def _path_key(kind: str, out: str) -> str:
-    return f"tessera-{kind}-{hashlib.sha256(os.path.abspath(out).encode()).hexdigest()[:24]}"
-
-
 # Bad input fails the same way every time; only retry what might be transient (I/O, S3).
 _retry_unless_bad_input = retry_unless(DataError)
 
 
-def tokenizer_cache_key(context, parameters) -> str:
-    p = parameters
-    return _path_key("tokenizer", tokenizers_.output_dir(p["cfg"], p["root"], p["sources"], p["chunk_bytes"]))
-
-
-def source_cache_key(context, parameters) -> str:
-    p = parameters
-    return _path_key("source", pipeline.plan(p["src"], p["data"], p["tok"]).out)
-
-
-@task(name="prepare-tokenizer", cache_key_fn=tokenizer_cache_key, persist_result=True, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)
+@task(name="prepare-tokenizer", task_run_name="prepare-tokenizer", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
 def prepare_tokenizer(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_bytes: int) -> TokenizerInfo:
     """Load the configured tokenizer or train one on the sources; saved under <root>/tokenizer-<hash>."""
     info = tokenizers_.resolve(cfg, root, sources, chunk_bytes)
     get_run_logger().info("tokenizer at %s: vocab %d, eos id %d, %s", info.hf_dir, info.vocab_size,
-                          info.eos_token_id, info.dtype)
+                          info.eos_token_id, info.dtype)  # fmt: skip
     return info
 
 
-@task(name="prepare-source", task_run_name="prepare-{src.name}", cache_key_fn=source_cache_key,
-      persist_result=True, retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)
-def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo) -> PreparedSource:
-    """Tokenize, pack and write one source to <root>/<source>-<hash>, or reuse the finished output."""
-    result = pipeline.prepare_source(src, data, tok, progress=PROGRESS.get(src.name))
+@task(name="plan-sources", task_run_name="plan-sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
+def plan_sources(data: DataConfig, tok: TokenizerInfo) -> list[pipeline.Plan]:
+    """Each source's inputs (S3 listed, files stat'ed) and output, once for the whole prepare; starts what
+    the sources still to prepare will need while the first is set up."""
     logger = get_run_logger()
-    if result.cached:
-        logger.info("source %s: up to date at %s, nothing to do", src.name, result.root)
-    else:
-        logger.info("source %s: %d documents, %d tokens in %d samples -> %s (%d skipped)", src.name,
-                    result.documents, result.tokens, result.samples, result.root, result.skipped)
+    plans = [pipeline.plan(src, data, tok) for src in data.sources]
+    todo = [p for p in plans if not pipeline.is_published(p)]
+    for p in plans:
+        if p not in todo:
+            logger.info("source %s: up to date at %s, nothing to do", p.source.name, p.out)
+    if todo:
+        mds.preload()  # a no-op when the CLI's warm-up started it already
+    if any(pipeline.uses_pool(p, data) for p in todo):
+        # Start the tokenizer processes now. Only when some source is cut into parts: one that is not
+        # runs in this process, and spawning the pool would cost seconds of CPU for nothing.
+        parallel.warm(data.workers or parallel.default_workers())
+    return plans
+
+
+@task(name="prepare-source", task_run_name="prepare-{plan.source.name}", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
+def prepare_source(plan: pipeline.Plan, data: DataConfig, tok: TokenizerInfo) -> PreparedSource:
+    """Tokenize, pack and write one planned source to <root>/<source>-<hash>, or reuse the finished output."""
+    result = pipeline.prepare_planned(plan, data, tok, progress=PROGRESS.get(plan.source.name))
+    logger = get_run_logger()
+    if not result.cached:
+        logger.info("source %s: %d documents, %d tokens in %d samples -> %s (%d skipped)", plan.source.name,
+                    result.documents, result.tokens, result.samples, result.root, result.skipped)  # fmt: skip
     return result
+
+
+@task(name="publish-tokenizer", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def publish_tokenizer(tok: TokenizerInfo, root: str) -> TokenizerInfo:
+    """Beside the data in the bucket, done-marker last: a training pod cannot read the flow's disk."""
+    uri = f"{root.rstrip('/')}/{Path(tok.hf_dir).name}"
+    if not remote_root.is_done(uri):
+        remote_root.publish(tok.hf_dir, uri)
+    return tok.model_copy(update={"uri": uri})

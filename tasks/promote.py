@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import logging
 
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from evaluation.compare import deltas
+from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
+from tasks.artifacts import artifact_key
+from tasks.mlflow_run import client_for, resolved_uri, retrying
 from tasks.promote_config import PromoteConfig
+from tasks.score import score_model
+from tasks.tracking_config import TrackingConfig
 from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.version_record import append_decision, now
 
@@ -160,3 +168,41 @@ def promote_by_hand(client, name: str, version: str, note: str) -> str | None:
         moves[PREVIOUS_CHAMPION_ALIAS] = old
     set_aliases(client, name, moves, "tessera promote")
     return old
+
+
+@task(cache_policy=NO_CACHE)
+def promote_challenger(eval_cfg: EvalConfig, tracking: TrackingConfig, rule: PromoteConfig, run_name: str, run_id: str,
+                       challenger: int, max_seq_len: int) -> tuple[Decision | None, int | None]:  # fmt: skip
+    """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
+    from evaluation.compare import render_comparison_html
+    from evaluation.report import compare_markdown
+
+    logger = get_run_logger()
+    name = tracking.registered_model
+    client = client_for(tracking)
+    champion = champion_version(client, name)
+    if champion is None or champion == str(challenger):
+        return None, int(champion) if champion else None
+    cfg = eval_cfg.model_copy(update={"strict": True, "max_seq_len": eval_cfg.max_seq_len or max_seq_len})
+    uri = resolved_uri(tracking.tracking_uri)
+    a = score_model.with_options(task_run_name=f"score-champion-v{champion}")(f"models:/{name}/{champion}", cfg, uri)
+    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(f"models:/{name}/{challenger}",
+                                                                                   cfg, uri)  # fmt: skip
+    decision = decide(a, b, rule)
+    record_decision(client, name, champion, str(challenger), decision, run_name)
+    verdict = (f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
+               f"{decision.summary()}; rule: {decision.rule}" + (f"; {'; '.join(decision.reasons)}" if decision.reasons
+                                                                 else ""))  # fmt: skip
+    markdown = f"# Promotion of {name} v{challenger}\n\n**{verdict}**\n\n" + compare_markdown(
+        a, b, f"champion v{champion}", f"challenger v{challenger}")
+    html = render_comparison_html(a, b, f"champion v{champion}", f"challenger v{challenger}",
+                                  f"{name}: champion v{champion} vs challenger v{challenger}", verdict)  # fmt: skip
+    create_markdown_artifact(key=artifact_key(run_name, "promotion"), markdown=markdown,
+                             description=f"Champion/challenger comparison of run {run_name}")  # fmt: skip
+    retrying("logging the promotion report", lambda: (
+        client.log_text(run_id, html, "promotion/comparison.html"),
+        client.log_text(run_id, markdown, "promotion/comparison.md"),
+        client.log_text(run_id, decision.model_dump_json(indent=1), "promotion/decision.json"),
+    ))  # fmt: skip
+    logger.info(verdict)
+    return decision, int(champion_version(client, name) or 0) or None

@@ -23,11 +23,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.states import Cancelled
 
-from infra import backend_for, stopping
+from infra import allow_launches, backend_for, stopping
+from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
-from trainers.config import TrainJob
+from tasks.data.results import PreparedData
+from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
 from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FATAL, INTERRUPTED
 
@@ -57,6 +59,37 @@ def exit_kind(code: int) -> Literal["ok", "preempted", "failed", "fatal"]:
     if code < 0 or code >= 128 or code in INTERRUPTED:  # Popen reports -N, shells 128+N, for signal N
         return "preempted"
     return "failed"
+
+
+__all__ = ["MlflowTarget", "TrainJob", "allow_launches", "stop_launched_jobs"]  # for flows, which never import infra
+
+
+def local_save_folder(train: TrainConfig, run_name: str, run_dir: Path) -> Path:
+    """The trainer's local checkpoint folder; with an s3:// train.save_folder it is the working copy."""
+    folder = train.save_folder
+    if folder is None or folder.startswith("s3://"):
+        return run_dir / "checkpoints"
+    return Path(folder).resolve() / run_name
+
+
+def make_job(run_name: str, model: ModelConfig, train: TrainConfig, seq_len: int, prepared: PreparedData,
+             seq_len_streams: dict[int, dict[str, str]], every: int, run_dir: Path, mlflow: MlflowTarget) -> TrainJob:  # fmt: skip
+    """The TrainJob of a run: its model and train sections, resolved against the prepared data."""
+    return TrainJob(
+        run_name=run_name,
+        model=model,
+        train=train,
+        vocab_size=prepared.tokenizer.vocab_size,
+        eos_token_id=prepared.tokenizer.eos_token_id,
+        seq_len=seq_len,
+        streams={name: str(src.path) for name, src in prepared.sources.items()},
+        seq_len_streams=seq_len_streams,
+        val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
+        save_folder=str(local_save_folder(train, run_name, run_dir)),
+        checkpoint_every_tokens=every,
+        tokenizer_dir=prepared.tokenizer.uri or str(prepared.tokenizer.hf_dir),
+        mlflow=mlflow,
+    )
 
 
 def write_job(job: TrainJob, path: Path) -> Path:

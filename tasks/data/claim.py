@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from tasks.data import interrupt
+
 TTL_S = float(os.environ.get("TESSERA_LEASE_SECONDS", "120"))
 POLL_S = 0.5
 HOST = socket.gethostname()
@@ -201,3 +203,7 @@ def release_all() -> None:
     """Drop every lease this process holds: it is about to exit without unwinding its threads."""
     for lease in list(_HELD):
         lease.release()
+
+
+# A stop releases every claim this process holds, so a rerun on another host need not wait for them to expire.
+interrupt.on_exit(lambda deadline: release_all(), last=True)

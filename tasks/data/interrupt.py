@@ -90,6 +90,18 @@ def _kill_children(timeout_s: float = 0.5) -> None:
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
+# Registered by the modules that hold what a stop must leave clean (outputs.py, claim.py), which themselves
+# check for a stop: they import this module, never the other way round. Each takes a deadline (or None: now).
+_ON_EXIT: list = []
+_ON_EXIT_LAST: list = []
+
+
+def on_exit(cleanup, last: bool = False) -> None:
+    """Run `cleanup(deadline)` when a stop ends the process, before its children are killed; `last` ones
+    after the others (claims are released only once the staging they guard is gone)."""
+    (_ON_EXIT_LAST if last else _ON_EXIT).append(cleanup)
+
+
 def exit_now(wait: bool = True) -> None:
     """End the process after a stop: wait (bounded) for staging to clear, kill children, exit 128+signal.
 
@@ -98,13 +110,9 @@ def exit_now(wait: bool = True) -> None:
     if wait and not _EXITING.acquire(blocking=False):
         while True:  # another thread is already ending the process
             time.sleep(1)
-    from tasks.data import claim, outputs  # both check for a stop: import late
-
     signum = _signal or signal.SIGTERM
-    if wait:
-        outputs.wait_for_staging(deadline=_since + GRACE_S)
-    outputs.remove_staging()  # whatever a thread did not clear in time; never renamed in
-    claim.release_all()  # so a rerun on another host need not wait for them to expire
+    for cleanup in _ON_EXIT + _ON_EXIT_LAST:  # outputs.py: clear staging (until the deadline); claim.py: release
+        cleanup(_since + GRACE_S if wait else None)
     _kill_children()
     # On a line of its own: Prefect's logging may have left one unfinished.
     print(f"\ntessera: interrupted by {_name(signum)}: nothing partial was published; finished sources "

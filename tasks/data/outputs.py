@@ -108,7 +108,7 @@ def staging(out: str, lease) -> Iterator[str]:
             with permanent_errors("cannot write prepared data"):
                 yield tmp
             interrupt.check()
-            claim.check()
+            lease.check()
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -150,3 +150,12 @@ def _fault(point: str) -> None:
 def read_provenance(out: str) -> dict:
     with open(os.path.join(out, PROVENANCE)) as f:
         return json.load(f)
+
+
+def _clean_on_exit(deadline: float | None) -> None:
+    if deadline is not None:
+        wait_for_staging(deadline=deadline)
+    remove_staging()  # whatever a thread did not clear in time; never renamed in
+
+
+interrupt.on_exit(_clean_on_exit)

@@ -198,12 +198,19 @@ def _job_result(future: concurrent.futures.Future) -> worker.JobResult:
 
 def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
                    progress: Callable[[int, int], None] | None = None) -> PreparedSource:
-    """Prepare `src` under <root>/<name>-<hash>, or return the finished output if it exists.
+    """Plan `src` and prepare it (`prepare_planned`)."""
+    return prepare_planned(plan(src, data, tok), data, tok, progress)
 
-    The output's lease is held throughout: a concurrent run of the same output (here or on
-    another host sharing the root) waits, then finds it done and reuses it.
+
+def prepare_planned(p: Plan, data: DataConfig, tok: TokenizerInfo,
+                    progress: Callable[[int, int], None] | None = None) -> PreparedSource:
+    """Prepare the planned source under <root>/<name>-<hash>, or return the finished output if it exists.
+
+    The finished output's `_DONE` is the only cache: a deleted or unfinished output is written again.
+    The output's claim is held throughout: a concurrent run of the same output (here or on another
+    host sharing the root) waits, then finds it done and reuses it.
     """
-    p = plan(src, data, tok)
+    src = p.source
     done = cached_result(p)
     if done is not None:
         log.info("source %s: up to date at %s, nothing to do", src.name, p.out)

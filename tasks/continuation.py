@@ -1,0 +1,88 @@
+"""What a continued run trains: its base version, its tokenizer, its budget, and its recipe derived from the base's.
+
+The continued_pretraining flow sequences these; they do the work (registry look-ups, the tokenizer download,
+the recipe arithmetic), so the flow holds none. The derived recipe is returned as the recipe's raw form: the
+flow validates it into a Recipe, which only flows/ composes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+from tasks.consumed_files import Consumed
+from tasks.data.config import DataConfig
+from tasks.mlflow_run import client_for
+from tasks.register import CHAMPION_ALIAS
+from tasks.tracking_config import TrackingConfig
+from trainers.remote import fetch_folder
+
+
+class ContinuationError(ValueError):
+    """A continued run that cannot start as asked; str() is one line naming the field."""
+
+
+def base_version(tracking: TrackingConfig, base: str | None):
+    """The model version `base` names (default: the registered model's champion); one line when it names none."""
+    from mlflow.exceptions import MlflowException
+
+    uri = base or f"models:/{tracking.registered_model}@{CHAMPION_ALIAS}"
+    ref = uri.removeprefix("models:/")
+    client = client_for(tracking)
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            return client.get_model_version_by_alias(name, alias)
+        name, _, number = ref.rpartition("/")
+        return client.get_model_version(name, number)
+    except MlflowException:
+        hint = " (run pretrain_pipeline first, or `tessera promote models:/NAME/N`)" if base is None else ""
+        raise ContinuationError(f"base: {uri} names no model version in {tracking.tracking_uri}{hint}") from None
+
+
+def pinned_tokenizer(data: DataConfig, tracking: TrackingConfig, base_run_id: str) -> dict:
+    """The base run's tokenizer: a `train:` tokenizer would otherwise be retrained with the new data in it."""
+    raw = data.tokenizer.model_dump(mode="json")
+    if data.tokenizer.train is None:
+        return raw
+    client = client_for(tracking)
+    with tempfile.TemporaryDirectory() as tmp:
+        job = json.loads(Path(client.download_artifacts(base_run_id, "recipe/job.json", tmp)).read_text())
+    path = job["tokenizer_dir"]
+    if "://" in path:  # published beside the data under an s3:// root; the working copy is usually still here
+        path = str(fetch_folder(path, Path(data.local_root) / Path(path).name))
+    return {**raw, "path": path, "train": None}
+
+
+def default_run_name(recipe_name: str, version: str, files: list[Consumed]) -> str:
+    """Deterministic from the base and the new files: a retry or rerun of the same continuation resumes it."""
+    digest = hashlib.sha256("\n".join(f"{p}|{s}|{v}" for p, s, v in sorted(f.key for f in files)).encode())
+    return f"{recipe_name}-cpt-v{version}-{digest.hexdigest()[:8]}"
+
+
+def derive(raw: dict, *, base_uri: str, checkpoint: str | None, source: dict, tokenizer: dict, budget: int,
+           replay_fraction: float, rewarm_fraction: float, lr: float | None, schedule: str,
+           min_gain: float | None, max_category_drop: float | None) -> dict:  # fmt: skip
+    """The continued run's recipe (raw): one stage over the new source plus replay of the last stage's mixture,
+    from the base's weights (and its checkpoint's optimizer state), LR rewarmed then decayed over `budget`."""
+    raw = json.loads(json.dumps(raw))  # a copy: the caller's recipe stays as it was
+    per_step = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
+    raw["data"]["sources"].append(source)
+    raw["data"]["tokenizer"] = tokenizer
+    mixture = {source["name"]: 1.0 - replay_fraction}
+    if replay_fraction > 0:
+        mixture |= {name: replay_fraction * share for name, share in raw["train"]["stages"][-1]["mixture"].items()}
+    rewarm = int(budget * rewarm_fraction) // per_step * per_step
+    raw["train"]["stages"] = [{"name": "continued", "tokens": budget, "mixture": mixture}]
+    raw["train"]["optim"] |= {"lr": lr or raw["train"]["optim"]["lr"], "warmup_tokens": rewarm, "schedule": schedule,
+                              "decay_tokens": budget}  # fmt: skip
+    raw["model"]["init_from"] = base_uri
+    raw["train"]["init_optimizer_from"] = checkpoint or None
+    raw["eval"]["every"] = min(raw["eval"]["every"], budget)  # at least the stage end is evaluated either way
+    if min_gain is not None:
+        raw["promote"]["min_gain"] = min_gain
+    if max_category_drop is not None:
+        raw["promote"]["max_category_drop"] = max_category_drop
+    return raw

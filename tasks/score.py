@@ -1,0 +1,73 @@
+"""Scoring a model on the gauntlet outside training: `tessera eval`, `tessera compare`, promotion.
+
+`score_model` loads any model tessera can name (a Composer checkpoint, an HF directory, a models:/ URI)
+and runs the gauntlet on it; `write_reports` turns one or two reports into the markdown, the report
+files and, when asked, the metrics of an MLflow run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from evaluation.config import EvalConfig
+
+
+@task(cache_policy=NO_CACHE, task_run_name="score-{model}")
+def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
+    """Load and score one model; returns an evaluation.GauntletReport."""
+    from evaluation.models import load_model
+    from evaluation.runner import run_gauntlet
+
+    loaded = load_model(model, tracking_uri)
+    return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
+
+
+@dataclass
+class Written:
+    markdown: str
+    files: list[str] = field(default_factory=list)
+
+
+@task(cache_policy=NO_CACHE)
+def write_reports(report, baseline, model: str, compare_to: str | None, output_dir: str | None,
+                  tracking_uri: str | None = None, run_id: str | None = None, step: int = 0) -> Written:  # fmt: skip
+    """The markdown of `report` (and its comparison with `baseline`), its files under `output_dir`, and its
+    metrics on MLflow run `run_id` when given."""
+    from evaluation.html import render_html
+    from evaluation.report import compare_markdown
+
+    title = f"Eval gauntlet: {model}"
+    markdown = report.to_markdown(title)
+    comparison = compare_markdown(baseline, report, compare_to, model) if baseline is not None else None
+    if comparison:
+        markdown = f"{markdown}\n{comparison}"
+    if run_id:
+        from evaluation.mlflow_report import log_report
+
+        if not tracking_uri:
+            raise ValueError("run_id needs tracking_uri")
+        log_report(tracking_uri, run_id, report, step=step, title=title)
+    written = Written(markdown)
+    if output_dir:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        texts = {"report.md": report.to_markdown(title), "report.json": report.to_json(),
+                 "report.html": render_html(report, title)}  # fmt: skip
+        if comparison:
+            from evaluation.compare import compare_png, render_comparison_html
+
+            texts["comparison.md"] = comparison
+            texts["comparison.html"] = render_comparison_html(baseline, report, compare_to, model,
+                                                              f"{compare_to} vs {model}")  # fmt: skip
+            png = compare_png(baseline, report, compare_to, model)
+            if png is not None:
+                (out / "comparison.png").write_bytes(png)
+                written.files.append(str(out / "comparison.png"))
+        for name, text in texts.items():
+            (out / name).write_text(text)
+            written.files.append(str(out / name))
+    return written
