@@ -1,0 +1,174 @@
+"""The import graph of the whole tree: no cycle anywhere, and only the edges docs/ARCHITECTURE.md lists.
+
+Every `import` statement counts, those inside functions too: an import moved into a function hides a
+cycle or an edge from Python, not from a reader. The allowed edges are read from the table between
+`<!-- edges -->` and `<!-- /edges -->` in docs/ARCHITECTURE.md, so the map and the code cannot drift.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("flows", "tasks", "trainers", "evaluation", "infra")
+# Subpackages that are units of their own: the rest of their parent may import them, not the reverse.
+OWN_UNITS = ("trainers.format", "trainers.contract")
+# Imports inside functions that are there for start-up time, not to dodge a cycle: the trainer's
+# entrypoint answers `--help` and a bad job file before importing Composer and torch.
+DEFERRED_ON_PURPOSE = {"trainers.train"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
+    """(module imported, inside a function) for each import of a product module in `path`."""
+    tree = ast.parse(path.read_text())
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import mod` imports pkg.mod when that is a module; else a name of pkg
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found += [(n, id(node) in nested) for n in names if n.split(".")[0] in PACKAGES]
+    return found
+
+
+def unit(module: str) -> str:
+    return next((u for u in OWN_UNITS if module == u or module.startswith(u + ".")), module.split(".")[0])
+
+
+def allowed_edges() -> list[tuple[str, str]]:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    table = text.split("<!-- edges -->", 1)[1].split("<!-- /edges -->", 1)[0]
+    edges = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        for source in re.findall(r"`([\w.]+)`", cells[0]):
+            edges += [(source, target) for target in re.findall(r"`([\w.]+)`", cells[1])]
+    return edges
+
+
+def _covers(name: str, module: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def is_allowed(importer: str, imported: str, edges: list[tuple[str, str]]) -> bool:
+    if unit(importer) == unit(imported):
+        return True
+    return any(_covers(source, importer) and (_covers(target, imported) or _covers(target, unit(imported)))
+               for source, target in edges)  # fmt: skip
+
+
+def graph() -> dict[str, set[str]]:
+    modules = product_modules()
+    known = set(modules)
+    out: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        # an import of a package stands for its __init__ module; of a name inside a module, for the module
+        out[name] = {m if m in known else m.rsplit(".", 1)[0] for m, _ in imports(path, known)} & known
+    return out
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    visiting, done = [], set()
+
+    def visit(node: str) -> list[str] | None:
+        if node in visiting:
+            return visiting[visiting.index(node) :] + [node]
+        if node in done or node not in g:
+            return None
+        visiting.append(node)
+        for dep in sorted(g[node] - {node}):
+            if found := visit(dep):
+                return found
+        visiting.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(g):
+        if found := visit(node):
+            return found
+    return None
+
+
+def test_the_tree_has_no_import_cycle():
+    g = graph()
+    assert {"flows.pipeline", "tasks.gauntlet_queue", "trainers.format.checkpoints", "infra.local"} <= set(g)
+    cycle = find_cycle(g)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_edge_between_units_is_on_the_map():
+    edges = allowed_edges()
+    assert ("flows", "tasks") in edges and ("infra", "trainers.contract") in edges
+    modules = product_modules()
+    known = set(modules)
+    off_map = sorted({f"{name} -> {imported}" for name, path in modules.items() for imported, _ in imports(path, known)
+                      if not is_allowed(name, imported, edges)})  # fmt: skip
+    assert off_map == [], "imports docs/ARCHITECTURE.md does not list:\n" + "\n".join(off_map)
+
+
+def test_no_trainers_import_is_hidden_in_a_function():
+    modules = product_modules()
+    known = set(modules)
+    hidden = sorted(f"{name} -> {m}" for name, path in modules.items() if name.startswith("trainers")
+                    and name not in DEFERRED_ON_PURPOSE for m, inside in imports(path, known)
+                    if inside and m.startswith("trainers"))  # fmt: skip
+    assert hidden == [], f"imports of trainers modules inside functions: {hidden}"
+
+
+def test_the_checks_see_what_they_are_for():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    edges = [("flows", "tasks"), ("infra", "trainers.contract"), ("flows.cli", "infra.kube_api")]
+    assert is_allowed("flows.pipeline", "tasks.train", edges)
+    assert not is_allowed("tasks.train", "flows.pipeline", edges)
+    assert is_allowed("infra.local", "trainers.contract", edges)
+    assert not is_allowed("infra.local", "trainers.config", edges)
+    assert not is_allowed("trainers.format.export", "trainers.model", edges)  # the format is its own unit
+    assert is_allowed("flows.cli", "infra.kube_api", edges) and not is_allowed("flows.up", "infra.kube_api", edges)
+
+
+# What each trainers module other than layout.py removes; a checkpoint is none of it. layout.py removes
+# local checkpoints (discard, retire, withdraw) and remote.py's `retire` remote ones (through the object
+# store's delete_object, which this check does not count: no other module holds a store).
+REMOVES_OTHER_FILES = {
+    "metrics_outbox": "its own write-ahead journal",
+    "remote": "hard links staged for an upload (.uploading/) and half-downloaded data folders",
+    "shm": "Streaming's shared-memory segments and locks of dead processes",
+}
+
+
+def _removals(path: Path) -> int:
+    """Calls in `path` that remove a file or a tree: x.unlink(), os.remove/unlink(), shutil.rmtree()."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            on_os = isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
+            if node.func.attr in ("unlink", "rmtree") or (on_os and node.func.attr == "remove"):
+                count += 1
+    return count
+
+
+def test_only_layout_removes_checkpoints():
+    trainers = ROOT / "trainers"
+    removing = {p.stem for p in trainers.rglob("*.py") if _removals(p)}
+    assert "layout" in removing
+    assert removing - {"layout"} == set(REMOVES_OTHER_FILES), (
+        "a trainers module removes files without being listed; checkpoints are removed only through "
+        f"trainers/layout.py: {sorted(removing - {'layout'} - set(REMOVES_OTHER_FILES))}"
+    )
