@@ -24,7 +24,10 @@ demo: install
 	@echo "  $(BIN)/tessera up    serves both UIs on this run's stores, with the deployments:"
 	@echo "  Prefect http://127.0.0.1:4200 (flow runs, logs, artifacts), MLflow http://127.0.0.1:5000 (metrics, registry)"
 
+# The formatter and linter first (seconds): a tree that does not pass them is not tested further.
 test: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 test-fast: install

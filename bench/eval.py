@@ -49,10 +49,14 @@ from evaluation.spec import load_tasks  # noqa: E402
 def demo_model(vocab: int, device: str, d_model: int, layers: int, seq_len: int):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=d_model, intermediate_size=(8 * d_model // 3 + 63) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=max(d_model // 16, 1), max_position_embeddings=seq_len,
+        vocab_size=vocab,
+        hidden_size=d_model,
+        intermediate_size=(8 * d_model // 3 + 63) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(d_model // 16, 1),
+        max_position_embeddings=seq_len,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
 
@@ -101,8 +105,17 @@ def main() -> None:
     pad = tok.pad_token_id
     wanted = args.labels.split(",")
     per_type: dict[str, dict[str, float]] = {}
-    totals = {"examples": 0, "tokens": 0, "gauntlet_s": 0.0, "raw_s": 0.0, "body_s": 0.0, "floor_s": 0.0, "prep_s": 0.0,
-              "projected": 0, "continuation_tokens": 0}
+    totals = {
+        "examples": 0,
+        "tokens": 0,
+        "gauntlet_s": 0.0,
+        "raw_s": 0.0,
+        "body_s": 0.0,
+        "floor_s": 0.0,
+        "prep_s": 0.0,
+        "projected": 0,
+        "continuation_tokens": 0,
+    }
 
     for task in load_tasks(args.tasks):
         if task.label not in wanted or task.icl_task_type not in ("language_modeling", "multiple_choice", "schema"):
@@ -149,7 +162,10 @@ def main() -> None:
 
         gauntlet(), raw(), floor()  # warm up kernels and allocator
         g, r, b, f = best_of([gauntlet, raw, body, floor], args.repeats, args.device)
-        stats = per_type.setdefault(task.icl_task_type, {"examples": 0, "tokens": 0, "gauntlet_s": 0.0, "raw_s": 0.0, "body_s": 0.0, "floor_s": 0.0})
+        stats = per_type.setdefault(
+            task.icl_task_type,
+            {"examples": 0, "tokens": 0, "gauntlet_s": 0.0, "raw_s": 0.0, "body_s": 0.0, "floor_s": 0.0},
+        )
         for d in (stats, totals):
             d["examples"] += len(items)
             d["tokens"] += tokens

@@ -40,8 +40,8 @@ HWM = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).g
 
 LOAD = {
     "full": "import torch; s = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
-            "from trainers.format.export import load_hf; import trainers.format.export as e; "
-            "e.torch.load = lambda *a, **k: s; m, t = load_hf(sys.argv[1])",  # fmt: skip
+    "from trainers.format.export import load_hf; import trainers.format.export as e; "
+    "e.torch.load = lambda *a, **k: s; m, t = load_hf(sys.argv[1])",
     "mmap": "from trainers.format.export import load_hf; m, t = load_hf(sys.argv[1])",
 }
 
@@ -49,11 +49,11 @@ LOAD = {
 def _write_checkpoint(folder: Path, preset: str) -> tuple[Path, int]:
     import torch
     from composer import Trainer
+    from transformers import AutoTokenizer
 
+    from tests.support.training import write_hf_tokenizer
     from trainers.build import _wrap
     from trainers.model import PRESETS, build_model
-    from tests.support.training import write_hf_tokenizer
-    from transformers import AutoTokenizer
 
     tok_dir = write_hf_tokenizer(folder / "tok")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -65,9 +65,14 @@ def _write_checkpoint(folder: Path, preset: str) -> tuple[Path, int]:
         model=model,
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-4),
         train_dataloader=torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=2),
-        max_duration="1ba", save_folder=str(folder), save_filename="ckpt.pt", save_interval="1ba",
-        device="cpu", progress_bar=False, loggers=[],
-    )  # fmt: skip
+        max_duration="1ba",
+        save_folder=str(folder),
+        save_filename="ckpt.pt",
+        save_interval="1ba",
+        device="cpu",
+        progress_bar=False,
+        loggers=[],
+    )
     trainer.fit()
     trainer.close()
     return folder / "ckpt.pt", params
@@ -81,7 +86,8 @@ def _peak_mb(kind: str, path: Path) -> float:
 
 # Run with the tree under test first on sys.path; uses only what both trees have: the two tasks,
 # CheckpointInfo, EvalConfig and TrackingConfig.
-TASKS = """
+TASKS = (
+    """
 import re, sys
 tree, ckpt, data_root, work = sys.argv[1:]
 sys.path.insert(0, tree)
@@ -113,14 +119,21 @@ def both():
 with prefect_test_harness(server_startup_timeout=120):
     registration = both()
 assert registration.version == 1, registration
-""" + f"print({HWM})\n"
+"""
+    + f"print({HWM})\n"
+)
 
 
 def _task_peak_mb(tree: Path, path: Path, data_root: Path, work: Path) -> float:
     work.mkdir()
     env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    out = subprocess.run([sys.executable, "-c", TASKS, str(tree), str(path), str(data_root), str(work)], cwd=work,
-                         env=env, capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", TASKS, str(tree), str(path), str(data_root), str(work)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise SystemExit(f"evaluate+register in {tree} failed:\n{out.stderr[-4000:]}")
     return int(out.stdout.split()[-1]) / 1024  # kB
@@ -139,11 +152,16 @@ def main() -> None:
         data_root = cut_demo_tasks(ROOT / "data" / "gauntlet" / "eval" / "local_data", Path(tmp) / "gauntlet")
         task = _task_peak_mb(ROOT, path, data_root, Path(tmp) / "after")
         line = {
-            "bench": "eval_memory", "preset": preset, "params_m": round(params / 1e6, 1),
-            "checkpoint_mb": round(path.stat().st_size / 2**20), "model_fp32_mb": round(4 * params / 2**20),
-            "peak_rss_full_mb": round(full), "peak_rss_mmap_mb": round(mapped), "ratio": round(mapped / full, 3),
+            "bench": "eval_memory",
+            "preset": preset,
+            "params_m": round(params / 1e6, 1),
+            "checkpoint_mb": round(path.stat().st_size / 2**20),
+            "model_fp32_mb": round(4 * params / 2**20),
+            "peak_rss_full_mb": round(full),
+            "peak_rss_mmap_mb": round(mapped),
+            "ratio": round(mapped / full, 3),
             "task_mb": round(task),
-        }  # fmt: skip
+        }
         if args.before:
             old = Path(tmp) / "before-tree"
             subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), args.before], cwd=ROOT, check=True)

@@ -26,19 +26,25 @@ import torch  # noqa: E402
 
 
 def measure(preset: str, seq_len: int, batch: int, steps: int, warmup: int, tmp: Path) -> dict:
+    from tests.support.training import tiny_job, write_mds
     from trainers.build import build_trainer
     from trainers.config import StageConfig
     from trainers.model import PRESETS
-    from tests.support.training import tiny_job, write_mds
 
     vocab = 50277
     src = write_mds(tmp / f"src-{preset}", steps * batch, seq_len, vocab, seed=0)
     tokens = steps * batch * seq_len
     job = tiny_job(
-        tmp / preset, {"src": str(src)}, [StageConfig(name="mfu", tokens=tokens, mixture={"src": 1.0})],
-        seq_len=seq_len, vocab_size=vocab, global_batch_size=batch, checkpoint_every_tokens=tokens,
-        model=PRESETS[preset], run_name=f"mfu-{preset}",
-    )  # fmt: skip
+        tmp / preset,
+        {"src": str(src)},
+        [StageConfig(name="mfu", tokens=tokens, mixture={"src": 1.0})],
+        seq_len=seq_len,
+        vocab_size=vocab,
+        global_batch_size=batch,
+        checkpoint_every_tokens=tokens,
+        model=PRESETS[preset],
+        run_name=f"mfu-{preset}",
+    )
     job = job.model_copy(update={"train": job.train.model_copy(update={"device_microbatch_size": "auto"})})
     trainer = build_trainer(job, 0)
     trainer.fit()

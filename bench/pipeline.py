@@ -97,8 +97,11 @@ def wait_ready(api: str, mlflow: str, up: subprocess.Popen, output: Path, timeou
         if up.poll() is not None:
             raise SystemExit(f"tessera up exited:\n{output.read_text()}")
         try:
-            workers = httpx.post(f"{api}/work_pools/tessera-local/workers/filter", timeout=5,
-                                 json={"workers": {"status": {"any_": ["ONLINE"]}}, "limit": 5}).json()  # fmt: skip
+            workers = httpx.post(
+                f"{api}/work_pools/tessera-local/workers/filter",
+                timeout=5,
+                json={"workers": {"status": {"any_": ["ONLINE"]}}, "limit": 5},
+            ).json()
             deployed = httpx.get(f"{api}/deployments/name/pretrain_pipeline/pretrain", timeout=5).status_code == 200
             if workers and deployed and httpx.get(f"{mlflow}/health", timeout=5).status_code == 200:
                 return
@@ -111,11 +114,15 @@ def wait_ready(api: str, mlflow: str, up: subprocess.Popen, output: Path, timeou
 
 def runs_of(api: str, flow_run_id: str) -> tuple[list[dict], list[dict]]:
     """(subflow runs, task runs) of a flow run and its subflows."""
-    subflows = httpx.post(f"{api}/flow_runs/filter", timeout=30, json={
-        "flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}).json()  # fmt: skip
+    subflows = httpx.post(
+        f"{api}/flow_runs/filter",
+        timeout=30,
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}, "limit": 200},
+    ).json()
     ids = [flow_run_id] + [f["id"] for f in subflows]
-    tasks = httpx.post(f"{api}/task_runs/filter", timeout=30, json={
-        "flow_runs": {"id": {"any_": ids}}, "limit": 200}).json()  # fmt: skip
+    tasks = httpx.post(
+        f"{api}/task_runs/filter", timeout=30, json={"flow_runs": {"id": {"any_": ids}}, "limit": 200}
+    ).json()
     return subflows, tasks
 
 
@@ -128,8 +135,13 @@ def main() -> None:
         tmp = Path(tmp_name)
         recipe = recipe_in(tmp, args.scale)
         env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}
-        prepared = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", str(recipe)], cwd=ROOT, env=env,
-                                  capture_output=True, text=True)  # fmt: skip
+        prepared = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "prepare", str(recipe)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if prepared.returncode != 0:
             raise SystemExit(f"tessera prepare failed:\n{prepared.stderr[-3000:]}")
         prefect_port, mlflow_port = free_port(), free_port()
@@ -137,18 +149,40 @@ def main() -> None:
         output = tmp / "up.out"
         with open(output, "wb") as out:
             up = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "up", str(recipe), "--work-dir", str(tmp / "work"),
-                 "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "up",
+                    str(recipe),
+                    "--work-dir",
+                    str(tmp / "work"),
+                    "--prefect-port",
+                    str(prefect_port),
+                    "--mlflow-port",
+                    str(mlflow_port),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         try:
             wait_ready(api, mlflow, up, output)
             deployment = httpx.get(f"{api}/deployments/name/pretrain_pipeline/pretrain", timeout=10).json()
             trigger = time.time()
-            run = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", timeout=30, json={
-                "parameters": {"params": {"recipe": str(recipe), "run_name": "bench"}}}).json()  # fmt: skip
+            run = httpx.post(
+                f"{api}/deployments/{deployment['id']}/create_flow_run",
+                timeout=30,
+                json={"parameters": {"params": {"recipe": str(recipe), "run_name": "bench"}}},
+            ).json()
             while (state := httpx.get(f"{api}/flow_runs/{run['id']}", timeout=30).json())["state"]["type"] not in (
-                    "COMPLETED", "FAILED", "CRASHED", "CANCELLED"):  # fmt: skip
+                "COMPLETED",
+                "FAILED",
+                "CRASHED",
+                "CANCELLED",
+            ):
                 time.sleep(1)
             if state["state"]["type"] != "COMPLETED":
                 raise SystemExit(f"the run ended {state['state']['type']}: {state['state']['message']}")
@@ -176,26 +210,34 @@ def main() -> None:
     first_step = min(m.timestamp for m in losses) / 1000 - trigger
     rest = wall - busy
     tokens = max(m.step for m in losses)
-    print(f"wall {wall:.1f} s: prepare {length(prepare):.1f}, train {length(train):.1f}, eval (outside training) "
-          f"{length(evaluate):.1f}, register (outside both) {length(register):.1f}, rest {rest:.1f}")
-    print(f"trigger -> first training step: {first_step:.1f} s; {len(losses)} steps, {tokens:,} tokens; "
-          f"{len(subflows)} prepare subflow(s), {len(tasks)} task runs")
-    print(json.dumps({
-        "bench": "pipeline",
-        "orchestration_share": round(rest / wall, 4),
-        "trigger_to_first_step_s": round(first_step, 1),
-        "wall_s": round(wall, 1),
-        "prepare_s": round(length(prepare), 1),
-        "train_s": round(length(train), 1),
-        "eval_s": round(length(evaluate), 1),
-        "register_s": round(length(register), 1),
-        "rest_s": round(rest, 1),
-        "steps": len(losses),
-        "tokens": tokens,
-        "data": "prepared beforehand",
-        "goal": {"orchestration_share": 0.05, "trigger_to_first_step_s": 30},
-        "device": "cpu",
-    }))
+    print(
+        f"wall {wall:.1f} s: prepare {length(prepare):.1f}, train {length(train):.1f}, eval (outside training) "
+        f"{length(evaluate):.1f}, register (outside both) {length(register):.1f}, rest {rest:.1f}"
+    )
+    print(
+        f"trigger -> first training step: {first_step:.1f} s; {len(losses)} steps, {tokens:,} tokens; "
+        f"{len(subflows)} prepare subflow(s), {len(tasks)} task runs"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "pipeline",
+                "orchestration_share": round(rest / wall, 4),
+                "trigger_to_first_step_s": round(first_step, 1),
+                "wall_s": round(wall, 1),
+                "prepare_s": round(length(prepare), 1),
+                "train_s": round(length(train), 1),
+                "eval_s": round(length(evaluate), 1),
+                "register_s": round(length(register), 1),
+                "rest_s": round(rest, 1),
+                "steps": len(losses),
+                "tokens": tokens,
+                "data": "prepared beforehand",
+                "goal": {"orchestration_share": 0.05, "trigger_to_first_step_s": 30},
+                "device": "cpu",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

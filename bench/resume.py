@@ -36,8 +36,11 @@ def launch(job_path: Path, fault_tokens: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "trainers.train", "--job", str(job_path), "--stage", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     elapsed = time.perf_counter() - t0
     if proc.returncode != -9:
         raise SystemExit(f"launch did not reach step {fault_tokens}: rc={proc.returncode}\n{proc.stderr[-3000:]}")
@@ -51,8 +54,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from trainers.config import StageConfig
     from tests.support.training import tiny_job, write_job, write_mds
+    from trainers.config import StageConfig
 
     seq, batch = 32, 8
     step = seq * batch
@@ -64,8 +67,15 @@ def main() -> None:
         for name, at in (("early", args.early), ("late", args.late)):
             root = Path(tmp) / name
             root.mkdir()
-            job = tiny_job(root, {"src": str(src)}, stages, seq_len=seq, global_batch_size=batch,
-                           checkpoint_every_tokens=at * step, keep_checkpoints=1)  # fmt: skip
+            job = tiny_job(
+                root,
+                {"src": str(src)},
+                stages,
+                seq_len=seq,
+                global_batch_size=batch,
+                checkpoint_every_tokens=at * step,
+                keep_checkpoints=1,
+            )
             jobs[name] = (write_job(job, root / "job.json"), at)
             launch(jobs[name][0], (at + 1) * step)  # setup: checkpoint at `at`, die one step later
         timings: dict[str, list[float]] = {"early": [], "late": []}
@@ -74,18 +84,20 @@ def main() -> None:
                 timings[name].append(launch(path, (at + 1) * step)[1])
     early, late = min(timings["early"]), min(timings["late"])
     print(
-        json.dumps({
-            "bench": "resume",
-            "late_over_early": round(late / early, 3),
-            "early_s": round(early, 2),
-            "late_s": round(late, 2),
-            "early_tokens": args.early * step,
-            "late_tokens": args.late * step,
-            "position_ratio": args.late / args.early,
-            "runs_s": {k: [round(v, 2) for v in vs] for k, vs in timings.items()},
-            "goal": {"late_over_early": 1.2, "blocking_s": 15},
-            "device": "cpu",
-        })
+        json.dumps(
+            {
+                "bench": "resume",
+                "late_over_early": round(late / early, 3),
+                "early_s": round(early, 2),
+                "late_s": round(late, 2),
+                "early_tokens": args.early * step,
+                "late_tokens": args.late * step,
+                "position_ratio": args.late / args.early,
+                "runs_s": {k: [round(v, 2) for v in vs] for k, vs in timings.items()},
+                "goal": {"late_over_early": 1.2, "blocking_s": 15},
+                "device": "cpu",
+            }
+        )
     )
 
 

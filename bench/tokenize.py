@@ -148,11 +148,15 @@ class RssSampler:
 def config(root: Path, paths: list[str], seq_len: int, workers: int | None):
     from tasks.data.config import DataConfig
 
-    return DataConfig.model_validate({
-        "root": str(root), "seq_len": seq_len, "workers": workers,
-        "tokenizer": {"path": str(TOKENIZER)},
-        "sources": [{"name": "bench", "paths": paths, "separator": "\n\n"}],
-    })
+    return DataConfig.model_validate(
+        {
+            "root": str(root),
+            "seq_len": seq_len,
+            "workers": workers,
+            "tokenizer": {"path": str(TOKENIZER)},
+            "sources": [{"name": "bench", "paths": paths, "separator": "\n\n"}],
+        }
+    )
 
 
 SMALL_SOURCES = 4
@@ -204,7 +208,7 @@ def small_case(work: Path) -> dict:
     text = "".join((SHARED / n).read_text() for n in ("tinyshakespeare/input.txt", "tinystories/tinystories_val.txt"))
     paths = []
     for i in range(SMALL_SOURCES):
-        piece = text[i * SMALL_BYTES:(i + 1) * SMALL_BYTES]
+        piece = text[i * SMALL_BYTES : (i + 1) * SMALL_BYTES]
         piece = piece[: piece.rfind("\n\n")]  # whole paragraphs only
         paths.append(work / f"small{i}.txt")
         paths[-1].write_text(piece)
@@ -228,10 +232,12 @@ def small_case(work: Path) -> dict:
     tok = [anchor([p])[0] for p in paths]
     first = wall_one - wall_cached - tok[0]
     per_source = (wall_four - wall_one - sum(tok[1:])) / (SMALL_SOURCES - 1)
-    print(f"small    {SMALL_SOURCES} x {SMALL_BYTES // 1000} kB: tessera prepare {wall_one:.1f}s (1 source), "
-          f"{wall_four:.1f}s ({SMALL_SOURCES}), {wall_cached:.1f}s (nothing to do; Prefect server start-up "
-          f"{server_s:.1f}s of it); raw tokenizing {sum(tok):.2f}s; first source +{first:.1f}s, each further "
-          f"source +{per_source:.1f}s")
+    print(
+        f"small    {SMALL_SOURCES} x {SMALL_BYTES // 1000} kB: tessera prepare {wall_one:.1f}s (1 source), "
+        f"{wall_four:.1f}s ({SMALL_SOURCES}), {wall_cached:.1f}s (nothing to do; Prefect server start-up "
+        f"{server_s:.1f}s of it); raw tokenizing {sum(tok):.2f}s; first source +{first:.1f}s, each further "
+        f"source +{per_source:.1f}s"
+    )
     return {
         "small_sources": SMALL_SOURCES,
         "small_source_kb": SMALL_BYTES // 1000,

@@ -39,13 +39,15 @@ def plain_loop(job, steps: int, warmup: int) -> float:
     opt = optimizer_for(model, job.train.optim)
     data = LocalDataset(local=next(iter(job.streams.values())))
     loader = torch.utils.data.DataLoader(
-        range(len(data)), batch_size=job.train.global_batch_size, drop_last=True,
+        range(len(data)),
+        batch_size=job.train.global_batch_size,
+        drop_last=True,
         collate_fn=lambda idx: torch.stack([torch.from_numpy(data[i]["tokens"].astype("int64")) for i in idx]),
-    )  # fmt: skip
+    )
     times = []
     model.train()
     t0 = time.perf_counter()
-    for step, ids in zip(range(steps), loader):
+    for _, ids in zip(range(steps), loader):
         # Timed from the previous step's end, like the trainer's meter: data loading counts on both sides.
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -86,39 +88,45 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from trainers.config import ModelConfig, StageConfig
     from tests.support.training import tiny_job, write_mds
+    from trainers.config import ModelConfig, StageConfig
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         samples = args.steps * args.batch
         src = write_mds(Path(tmp) / "src", samples, args.seq_len, args.vocab, seed=0)
         tokens = samples * args.seq_len
         job = tiny_job(
-            tmp, {"src": str(src)}, [StageConfig(name="bench", tokens=tokens, mixture={"src": 1.0})],
-            seq_len=args.seq_len, vocab_size=args.vocab, global_batch_size=args.batch,
+            tmp,
+            {"src": str(src)},
+            [StageConfig(name="bench", tokens=tokens, mixture={"src": 1.0})],
+            seq_len=args.seq_len,
+            vocab_size=args.vocab,
+            global_batch_size=args.batch,
             checkpoint_every_tokens=tokens,  # only the stage-end save, after the timed steps
             model=ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=max(1, args.d_model // 64)),
-        )  # fmt: skip
+        )
         # Plain loop first and last: the machine's load drifts, and the mean of the two brackets it.
         plain_a = plain_loop(job, args.steps, args.warmup)
         ours = tessera(job, args.warmup)
         plain_b = plain_loop(job, args.steps, args.warmup)
     plain = (plain_a + plain_b) / 2
     print(
-        json.dumps({
-            "bench": "train_overhead",
-            "ratio": round(ours / plain, 4),
-            "goal": 0.95,
-            "tessera_tokens_per_sec": round(ours, 1),
-            "plain_tokens_per_sec": round(plain, 1),
-            "plain_runs_tokens_per_sec": [round(plain_a, 1), round(plain_b, 1)],
-            "model": {"n_layers": args.layers, "d_model": args.d_model, "vocab": args.vocab},
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-            "steps": args.steps,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(),
-        })
+        json.dumps(
+            {
+                "bench": "train_overhead",
+                "ratio": round(ours / plain, 4),
+                "goal": 0.95,
+                "tessera_tokens_per_sec": round(ours, 1),
+                "plain_tokens_per_sec": round(plain, 1),
+                "plain_runs_tokens_per_sec": [round(plain_a, 1), round(plain_b, 1)],
+                "model": {"n_layers": args.layers, "d_model": args.d_model, "vocab": args.vocab},
+                "seq_len": args.seq_len,
+                "batch": args.batch,
+                "steps": args.steps,
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "threads": torch.get_num_threads(),
+            }
+        )
     )
 
 

@@ -29,28 +29,46 @@ EXIT_BAD_INPUT = 78
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, help="Composer checkpoint (path or s3:// URI), HF dir or models:/ URI.")
+    p.add_argument(
+        "--checkpoint", required=True, help="Composer checkpoint (path or s3:// URI), HF dir or models:/ URI."
+    )
     p.add_argument("--tasks", required=True, help="ICL task list YAML (Mosaic Eval Gauntlet format).")
     p.add_argument("--gauntlet", default=None, help="Gauntlet YAML (categories, weighting, averages).")
     p.add_argument("--data-root", default=".", help="Root each task's dataset_uri resolves against (local or s3://).")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-seq-len", type=int, default=None, help="The gauntlet's max_seq_len setting (eval.max_seq_len).")
-    p.add_argument("--context-len", type=int, default=None,
-                   help="Left-truncate contexts to this many tokens (default: --max-seq-len, else the model's).")
+    p.add_argument(
+        "--max-seq-len", type=int, default=None, help="The gauntlet's max_seq_len setting (eval.max_seq_len)."
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="Left-truncate contexts to this many tokens (default: --max-seq-len, else the model's).",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--strict", action="store_true", help="A missing task file is an error.")
     p.add_argument("--tracking-uri", required=True, help="MLflow tracking URI of the training run.")
     p.add_argument("--run-id", required=True, help="The training run to log into.")
     p.add_argument("--step", required=True, type=int, help="Tokens seen by the checkpoint (the MLflow step).")
     p.add_argument("--stage", default="", help="Curriculum stage that produced the checkpoint (for the title).")
-    p.add_argument("--timestamp-ms", type=int, default=None,
-                   help="Timestamp of every metric point; the same value on a retry adds no duplicate points.")
-    p.add_argument("--sha256", default=None,
-                   help="SHA-256 the trainer published for a Composer checkpoint (its manifest). A mismatch, or "
-                   "without it a zip CRC mismatch, refuses the checkpoint (exit 78): a flipped byte loads silently.")
-    p.add_argument("--package-to", default=None,
-                   help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
-                   "for registration by reference.")
+    p.add_argument(
+        "--timestamp-ms",
+        type=int,
+        default=None,
+        help="Timestamp of every metric point; the same value on a retry adds no duplicate points.",
+    )
+    p.add_argument(
+        "--sha256",
+        default=None,
+        help="SHA-256 the trainer published for a Composer checkpoint (its manifest). A mismatch, or "
+        "without it a zip CRC mismatch, refuses the checkpoint (exit 78): a flipped byte loads silently.",
+    )
+    p.add_argument(
+        "--package-to",
+        default=None,
+        help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
+        "for registration by reference.",
+    )
     return p.parse_args(argv)
 
 
@@ -80,12 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.config import EvalConfig
     from evaluation.errors import GauntletError
     from evaluation.identity import gauntlet_hash
+    from evaluation.mlflow_report import log_report
     from evaluation.models import load_model
     from evaluation.runner import run_gauntlet
-    from evaluation.mlflow_report import log_report
 
-    cfg = EvalConfig(every=max(1, args.step), tasks=args.tasks, gauntlet=args.gauntlet, data_root=args.data_root,
-                     batch_size=args.batch_size, max_seq_len=args.max_seq_len, seed=args.seed, strict=args.strict)  # fmt: skip
+    cfg = EvalConfig(
+        every=max(1, args.step),
+        tasks=args.tasks,
+        gauntlet=args.gauntlet,
+        data_root=args.data_root,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+        strict=args.strict,
+    )
     title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
@@ -95,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if torch.cuda.is_available():
                 model = model.to("cuda")
-            report = run_gauntlet(model, loaded.tokenizer, cfg,
-                                  args.context_len or args.max_seq_len or loaded.max_seq_len)
+            report = run_gauntlet(
+                model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
+            )
             model_uri = _package(loaded.model, loaded.tokenizer, args, Path(tmp)) if args.package_to else None
         stamp = args.timestamp_ms if args.timestamp_ms is not None else int(time.time() * 1000)
         paths = log_report(args.tracking_uri, args.run_id, report, step=args.step, title=title, timestamp_ms=stamp)
@@ -104,11 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tessera.eval: bad input: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     summary = {
-        "tokens": args.step, "checkpoint": args.checkpoint, "average": report.average, "headline": report.headline,
-        "gauntlet_hash": gauntlet_hash(cfg), "metrics": report.metrics(), "report_json": paths.json,
-        "report_html": paths.html, "table": paths.table, "markdown": report.to_markdown(title),
-        "examples": report.examples, "seconds": report.seconds, "model_uri": model_uri,
-    }  # fmt: skip
+        "tokens": args.step,
+        "checkpoint": args.checkpoint,
+        "average": report.average,
+        "headline": report.headline,
+        "gauntlet_hash": gauntlet_hash(cfg),
+        "metrics": report.metrics(),
+        "report_json": paths.json,
+        "report_html": paths.html,
+        "table": paths.table,
+        "markdown": report.to_markdown(title),
+        "examples": report.examples,
+        "seconds": report.seconds,
+        "model_uri": model_uri,
+    }
     print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
     return 0
 

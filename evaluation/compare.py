@@ -65,13 +65,16 @@ def compare_png(a: GauntletReport, b: GauntletReport, name_a: str, name_b: str) 
     return figure_png(fig)
 
 
-def render_comparison_html(a: GauntletReport, b: GauntletReport, name_a: str, name_b: str, title: str,
-                           verdict: str | None = None) -> str:  # fmt: skip
+def render_comparison_html(
+    a: GauntletReport, b: GauntletReport, name_a: str, name_b: str, title: str, verdict: str | None = None
+) -> str:
     parts = page_head(title)
     if verdict:
         parts.append(f"<p><b>{html.escape(verdict)}</b></p>")
-    parts.append(f"<p>Headline ({html.escape(a.headline)}): {a.average:.4f} &rarr; {b.average:.4f} "
-                 f"({b.average - a.average:+.4f})</p>")  # fmt: skip
+    parts.append(
+        f"<p>Headline ({html.escape(a.headline)}): {a.average:.4f} &rarr; {b.average:.4f} "
+        f"({b.average - a.average:+.4f})</p>"
+    )
     png = compare_png(a, b, name_a, name_b)
     if png is not None:
         parts.append(f"<img alt='comparison' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from evaluation.report import GauntletReport
 
@@ -86,7 +86,9 @@ def render_html(report: GauntletReport, title: str, history: History | None = No
         png = plot_png(history)
         parts.append("<h2>Scores against tokens</h2>")
         if png is not None:
-            parts.append(f"<img alt='scores against tokens' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+            parts.append(
+                f"<img alt='scores against tokens' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            )
         steps = sorted({s for pts in history.values() for s, _ in pts})
         rows = [[s, *[dict(history[k]).get(s) for k in history]] for s in steps]
         parts.append(_table(["tokens", *history], rows))

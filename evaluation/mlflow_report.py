@@ -30,8 +30,9 @@ def _history(client, run_id: str, names: list[str]) -> dict[str, list[tuple[int,
     return out
 
 
-def log_report(tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str,
-               timestamp_ms: int | None = None) -> LoggedReport:  # fmt: skip
+def log_report(
+    tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str, timestamp_ms: int | None = None
+) -> LoggedReport:
     """Log metrics with step = tokens seen, then the per-task table and reports under `eval/`.
 
     Pass the same `timestamp_ms` when retrying after a tracking outage: MLflow stores a metric

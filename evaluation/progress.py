@@ -41,8 +41,16 @@ class EvalProgress:
             self._last = now
             rate = self.done / max(now - self._start, 1e-9)
             left = (self.total - self.done) / rate if rate > 0 else float("inf")
-            log.info("%s: %d/%d examples (%.0f%%), now %s, %.1f ex/s, about %.0f s left", self.desc, self.done,
-                     self.total, 100 * self.done / max(1, self.total), self.task, rate, left)  # fmt: skip
+            log.info(
+                "%s: %d/%d examples (%.0f%%), now %s, %.1f ex/s, about %.0f s left",
+                self.desc,
+                self.done,
+                self.total,
+                100 * self.done / max(1, self.total),
+                self.task,
+                rate,
+                left,
+            )
 
     def close(self) -> None:
         if self._bar is not None:

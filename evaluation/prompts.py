@@ -16,8 +16,9 @@ that move scores and are reproduced on purpose:
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from evaluation.errors import GauntletError
 from evaluation.spec import TaskSpec
@@ -224,7 +225,9 @@ class PromptText:
     continuations: tuple[str, ...]  # per choice; empty for generation
 
 
-def prompt_texts(task: TaskSpec, records: Sequence[Record], num_fewshot: int, seed: int, prefix_space: bool) -> list[PromptText]:
+def prompt_texts(
+    task: TaskSpec, records: Sequence[Record], num_fewshot: int, seed: int, prefix_space: bool
+) -> list[PromptText]:
     kind = task.icl_task_type
     has_cot = kind == "generation_task_with_answers" and any("chain_of_thought" in r.data for r in records)
     b = _Builder(task, has_cot)
@@ -288,7 +291,8 @@ def prepare_split(
             full = full[-budget:] if budget > 0 else []
             if not full:
                 raise GauntletError(
-                    f"task '{task.label}': {uri}:{r.lineno}: answers of {longest} tokens leave no room in max_seq_len {max_seq_len}"
+                    f"task '{task.label}': {uri}:{r.lineno}: answers of {longest} tokens leave no room in "
+                    f"max_seq_len {max_seq_len}"
                 )
             split.generation_items.append(GenerationItem(full, list(dict.fromkeys(alts))))
         split.max_new_tokens = task.generation_kwargs.max_new_tokens or max(longest, 1)

@@ -103,13 +103,17 @@ class GauntletReport:
             score = self.categories.get(category)
             heading = category or "not in a category"
             lines += [f"### {heading}" + (f" ({score:.4f})" if score is not None else ""), ""]
-            lines += ["| task | shots | type | examples | accuracy | baseline | score |",
-                      "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+            lines += [
+                "| task | shots | type | examples | accuracy | baseline | score |",
+                "|---|---:|---|---:|---:|---:|---:|",
+            ]
             for r in groups[category]:
                 base = "" if r["baseline"] is None else f"{r['baseline']:.2f}"
                 score_cell = "" if r["score"] is None else f"{r['score']:.4f}"
-                lines.append(f"| {r['task']} | {r['shots']} | {r['type']} | {r['examples']} | {r['accuracy']:.4f} | "
-                             f"{base} | {score_cell} |")  # fmt: skip
+                lines.append(
+                    f"| {r['task']} | {r['shots']} | {r['type']} | {r['examples']} | {r['accuracy']:.4f} | "
+                    f"{base} | {score_cell} |"
+                )
             lines.append("")
         if self.skipped:
             lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in self.skipped.items())]
@@ -127,7 +131,7 @@ class GauntletReport:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "GauntletReport":
+    def from_json(cls, text: str) -> GauntletReport:
         raw = json.loads(text)
         raw["tasks"] = [TaskResult(**t) for t in raw["tasks"]]
         raw["benchmarks"] = [BenchmarkScore(**b) for b in raw["benchmarks"]]
@@ -164,6 +168,7 @@ def compare_markdown(a: GauntletReport, b: GauntletReport, name_a: str = "A", na
         acc_x, acc_y = (x.accuracy if x else None), (y.accuracy if y else None)
         sc_x, sc_y = (x.score if x else None), (y.score if y else None)
         lines.append(
-            f"| {k} | {fmt(acc_x)} | {fmt(acc_y)} | {delta(acc_x, acc_y)} | {fmt(sc_x)} | {fmt(sc_y)} | {delta(sc_x, sc_y)} |"
+            f"| {k} | {fmt(acc_x)} | {fmt(acc_y)} | {delta(acc_x, acc_y)} "
+            f"| {fmt(sc_x)} | {fmt(sc_y)} | {delta(sc_x, sc_y)} |"
         )
     return "\n".join(lines) + "\n"

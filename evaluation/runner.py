@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from evaluation.aggregate import aggregate, benchmark_score
@@ -31,12 +31,24 @@ def _partitions(task: TaskSpec, records: list[Record]) -> dict[str | None, list[
     return {k: groups[k] for k in sorted(groups)}
 
 
-def score_split(model: Any, tokenizer: Any, task: TaskSpec, split: PreparedSplit, batch_size: int,
-                on_batch: Callable[[int], None] | None = None) -> tuple[float, Throughput]:  # fmt: skip
+def score_split(
+    model: Any,
+    tokenizer: Any,
+    task: TaskSpec,
+    split: PreparedSplit,
+    batch_size: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[float, Throughput]:
     pad = pad_id_of(tokenizer)
     if split.kind == "generation_task_with_answers":
         outputs, stats = generate_items(
-            model, tokenizer, split.generation_items, batch_size, pad, split.max_new_tokens, task.early_stopping_criteria,
+            model,
+            tokenizer,
+            split.generation_items,
+            batch_size,
+            pad,
+            split.max_new_tokens,
+            task.early_stopping_criteria,
             on_batch,
         )
         hits = [
@@ -118,8 +130,9 @@ def run_tasks(
                         cfg.seed if task.fewshot_random_seed is None else task.fewshot_random_seed,
                         cat,
                     )
-                    acc, stats = score_split(model, tokenizer, task, split, task.batch_size or cfg.batch_size,
-                                             progress.advance)  # fmt: skip
+                    acc, stats = score_split(
+                        model, tokenizer, task, split, task.batch_size or cfg.batch_size, progress.advance
+                    )
                     total.add(stats)
                     accs.append(acc)
                     count += len(split)
@@ -133,7 +146,9 @@ def run_tasks(
         if was_training:
             model.train()
 
-    report = GauntletReport(tasks=results, skipped=skipped, examples=total.examples, tokens=total.tokens, seconds=total.seconds)
+    report = GauntletReport(
+        tasks=results, skipped=skipped, examples=total.examples, tokens=total.tokens, seconds=total.seconds
+    )
     if spec is not None:
         scores = aggregate(
             spec,

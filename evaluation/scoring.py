@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 import string
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +33,7 @@ class Throughput:
     tokens: int = 0  # real (unpadded) tokens fed to the model
     seconds: float = 0.0
 
-    def add(self, other: "Throughput") -> None:
+    def add(self, other: Throughput) -> None:
         self.examples += other.examples
         self.tokens += other.tokens
         self.seconds += other.seconds
@@ -76,7 +76,9 @@ def collate_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     width = max(len(r) for r in rows)
     # One tensor built from padded lists: a slice assignment per row costs more than the rows.
     ids = torch.tensor([[*r, *[pad_id] * (width - len(r))] for r in rows], dtype=torch.long).reshape(len(rows), width)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(
+        len(rows), width
+    )
     return ids, mask
 
 
@@ -188,9 +190,14 @@ def _per_row(
 
 @torch.inference_mode()
 def score_rows(
-    model: Any, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, cont_lens: torch.Tensor,
-    gather: bool = True, greedy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    model: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    cont_lens: torch.Tensor,
+    gather: bool = True,
+    greedy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row: mean continuation cross-entropy [B] and whether greedy argmax hits every token [B].
 
     Row i's continuation is tokens [len_i - c_i, len_i); the logits that predict them sit one
@@ -226,7 +233,9 @@ def score_rows_shared(
     n_rows = [len(it.rows) for it in items]
     rows = [r for it in items for r in it.rows]
     P = torch.tensor([it.prefix for it in items], device=device)  # [I]
-    item_of = torch.repeat_interleave(torch.arange(len(items), device=device), torch.tensor(n_rows, device=device))  # [R]
+    item_of = torch.repeat_interleave(
+        torch.arange(len(items), device=device), torch.tensor(n_rows, device=device)
+    )  # [R]
     lengths = torch.tensor([len(r) for r in rows], device=device)
     cont = torch.tensor([c for it in items for c in it.cont_lens], device=device)
     full, fmask = (t.to(device) for t in collate_rows(rows, pad_id))
@@ -244,17 +253,21 @@ def score_rows_shared(
     if len(s_row):  # else one-token continuations: the prefix pass already predicted them all
         cache = out.past_key_values
         cache.batch_select_indices(item_of)  # one cache row per choice
-        sids, smask = (t.to(device) for t in collate_rows([r[p:] for it, p in zip(items, P.tolist()) for r in it.rows], pad_id))
+        sids, smask = (
+            t.to(device) for t in collate_rows([r[p:] for it, p in zip(items, P.tolist()) for r in it.rows], pad_id)
+        )
         # The last suffix column holds only final tokens, which predict nothing scored.
         sids, smask = sids[:, :-1], smask[:, :-1]
         _, second = _forward_at(
-            model, s_row, u_pos[~in_prefix] - Prow[s_row],
+            model,
+            s_row,
+            u_pos[~in_prefix] - Prow[s_row],
             input_ids=sids,
             attention_mask=torch.cat([pmask[item_of], smask], dim=1),
             position_ids=Prow[:, None] + torch.arange(sids.shape[1], device=device),
             past_key_values=cache,
             use_cache=True,
-        )  # fmt: skip
+        )
         blocks.append((second, ~in_prefix))
 
     ce = torch.empty(len(row), device=device)
@@ -297,7 +310,12 @@ def _item_correct(group: Sequence[ChoiceItem], mean_ce: torch.Tensor, all_hit: t
 
 
 def score_choice_items(
-    model: Any, items: Sequence[ChoiceItem], batch_size: int, pad_id: int, kind: str, share_prefix: bool = True,
+    model: Any,
+    items: Sequence[ChoiceItem],
+    batch_size: int,
+    pad_id: int,
+    kind: str,
+    share_prefix: bool = True,
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[bool], Throughput]:
     """Correctness per item: LM accuracy for language_modeling, lowest perplexity otherwise."""
@@ -319,7 +337,9 @@ def score_choice_items(
             ids, mask = collate_rows(rows, pad_id)
             lengths = torch.tensor([len(r) for r in rows])
             cont = torch.tensor([c for it in group for c in it.cont_lens])
-            scored = score_rows(model, ids.to(device), mask.to(device), lengths.to(device), cont.to(device), greedy=greedy)
+            scored = score_rows(
+                model, ids.to(device), mask.to(device), lengths.to(device), cont.to(device), greedy=greedy
+            )
         stats.tokens += sum(len(r) for r in rows)
         for i, ok in zip(batch, _item_correct(group, *scored)):
             correct[i] = ok

@@ -27,8 +27,9 @@ def _work_prefect_home(work_dir: str) -> None:
         except OSError as exc:  # a file in the way, a read-only disk: no retry or traceback helps
             from flows.recipe import RecipeError
 
-            raise RecipeError(f"work_dir {work_dir}: cannot hold Prefect's database in {home} "
-                              f"({exc.strerror or exc})") from None
+            raise RecipeError(
+                f"work_dir {work_dir}: cannot hold Prefect's database in {home} ({exc.strerror or exc})"
+            ) from None
         os.environ["PREFECT_HOME"] = str(home)
         # profiles live under PREFECT_HOME by default: keep the user's (an API URL set with
         # `prefect config set`, a Cloud login) instead of silently dropping them
@@ -88,12 +89,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     install_log_filter()
     outcome = eval_command(
-        args.model, args.tasks, args.gauntlet, args.data_root,
-        batch_size=args.batch_size, max_seq_len=args.max_seq_len, seed=args.seed, strict=args.strict,
-        tracking_uri=args.tracking_uri, compare_to=args.compare_to, output_dir=args.output_dir,
-    )  # fmt: skip
-    print(f"average: {outcome.average:.4f}" + (f" (baseline {outcome.baseline_average:.4f})"
-                                                if outcome.baseline_average is not None else ""))  # fmt: skip
+        args.model,
+        args.tasks,
+        args.gauntlet,
+        args.data_root,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+        strict=args.strict,
+        tracking_uri=args.tracking_uri,
+        compare_to=args.compare_to,
+        output_dir=args.output_dir,
+    )
+    print(
+        f"average: {outcome.average:.4f}"
+        + (f" (baseline {outcome.baseline_average:.4f})" if outcome.baseline_average is not None else "")
+    )
     for path in outcome.files:
         print(f"wrote {path}")
     return 0
@@ -113,12 +124,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = args.output_dir or str(Path(recipe.work_dir) / "compare" / artifact_key(args.a, "vs", args.b))
     ev = recipe.eval
     outcome = eval_command(
-        args.b, ev.tasks, ev.gauntlet, ev.data_root, batch_size=ev.batch_size,
-        max_seq_len=ev.max_seq_len or recipe.data.seq_len, seed=ev.seed, strict=True,
-        tracking_uri=resolved_uri(recipe.tracking.tracking_uri), compare_to=args.a, output_dir=out,
-    )  # fmt: skip
-    print(f"{args.a}: {outcome.baseline_average:.4f}  {args.b}: {outcome.average:.4f}  "
-          f"({outcome.average - outcome.baseline_average:+.4f})")  # fmt: skip
+        args.b,
+        ev.tasks,
+        ev.gauntlet,
+        ev.data_root,
+        batch_size=ev.batch_size,
+        max_seq_len=ev.max_seq_len or recipe.data.seq_len,
+        seed=ev.seed,
+        strict=True,
+        tracking_uri=resolved_uri(recipe.tracking.tracking_uri),
+        compare_to=args.a,
+        output_dir=out,
+    )
+    print(
+        f"{args.a}: {outcome.baseline_average:.4f}  {args.b}: {outcome.average:.4f}  "
+        f"({outcome.average - outcome.baseline_average:+.4f})"
+    )
     for path in outcome.files:
         print(f"wrote {path}")
     return 0
@@ -127,8 +148,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     """Move `champion` by hand, recorded on the versions like a rule's decision."""
     from flows.recipe import RecipeError, load_recipe
-    from tasks.promote import promote_by_hand
     from tasks.mlflow_run import client_for
+    from tasks.promote import promote_by_hand
 
     recipe = load_recipe(args.recipe)
     ref = args.model.removeprefix("models:/")
@@ -159,16 +180,29 @@ def cmd_continue(args: argparse.Namespace) -> int:
     from flows.continued import ContinueParams, continued_pretraining
 
     install_log_filter()
-    result = continued_pretraining(ContinueParams(
-        recipe=args.recipe, base=args.base, new_data=args.new_data, tokens=args.tokens, run_name=args.run_name,
-        replay_fraction=args.replay_fraction, if_running=args.if_running))  # fmt: skip
+    result = continued_pretraining(
+        ContinueParams(
+            recipe=args.recipe,
+            base=args.base,
+            new_data=args.new_data,
+            tokens=args.tokens,
+            run_name=args.run_name,
+            replay_fraction=args.replay_fraction,
+            if_running=args.if_running,
+        )
+    )
     if not result.trained:
         print(f"{result.base}: no new data; nothing trained")
         return 0
-    verdict = "no champion to compare with" if result.decision is None else (
-        f"{'accepted' if result.decision.accepted else 'rejected'}: {result.decision.summary()}")
-    print(f"run {result.run_name}: continued {result.base} on {result.new_files} new file(s); challenger "
-          f"v{result.challenger}: {verdict}; champion v{result.champion}")  # fmt: skip
+    verdict = (
+        "no champion to compare with"
+        if result.decision is None
+        else (f"{'accepted' if result.decision.accepted else 'rejected'}: {result.decision.summary()}")
+    )
+    print(
+        f"run {result.run_name}: continued {result.base} on {result.new_files} new file(s); challenger "
+        f"v{result.challenger}: {verdict}; champion v{result.champion}"
+    )
     return 0
 
 
@@ -188,8 +222,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from flows.up import UpError, UpOptions, up
 
-    options = UpOptions(recipe=args.recipe, work_dir=args.work_dir, host=args.host, prefect_port=args.prefect_port,
-                        mlflow_port=args.mlflow_port, deploy=not args.no_deploy)  # fmt: skip
+    options = UpOptions(
+        recipe=args.recipe,
+        work_dir=args.work_dir,
+        host=args.host,
+        prefect_port=args.prefect_port,
+        mlflow_port=args.mlflow_port,
+        deploy=not args.no_deploy,
+    )
     try:
         return up(options)
     except UpError as exc:
@@ -227,8 +267,9 @@ def cmd_k8s_status(args: argparse.Namespace) -> int:
     from infra.k8s_views import run_status
     from infra.kube_api import Kube, KubeError
 
-    namespace = args.namespace or (_kubernetes_recipe(args.recipe).compute.kubernetes.namespace if args.recipe
-                                   else "default")  # fmt: skip
+    namespace = args.namespace or (
+        _kubernetes_recipe(args.recipe).compute.kubernetes.namespace if args.recipe else "default"
+    )
     try:
         print(run_status(Kube(namespace), args.run))
     except KubeError as exc:
@@ -244,8 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run the whole pipeline on a recipe.")
     run.add_argument("recipe", help="Recipe YAML, e.g. configs/tiny.yaml.")
     run.add_argument("--run-name", default=None, help="Run name (default: the recipe's name); reusing it resumes.")
-    run.add_argument("--if-running", choices=["refuse", "wait"], default="refuse",
-                     help="When a run of the same name is live: refuse (default) or wait for it to end.")
+    run.add_argument(
+        "--if-running",
+        choices=["refuse", "wait"],
+        default="refuse",
+        help="When a run of the same name is live: refuse (default) or wait for it to end.",
+    )
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare", help="Tokenize the recipe's sources into MDS shards, and nothing else.")
@@ -253,8 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_prepare)
 
     ev = sub.add_parser("eval", help="Score a model on an Eval Gauntlet task list.")
-    ev.add_argument("--model", required=True,
-                    help="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.")
+    ev.add_argument(
+        "--model",
+        required=True,
+        help="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.",
+    )
     ev.add_argument("--tasks", required=True, help="ICL task list YAML (Mosaic Eval Gauntlet format).")
     ev.add_argument("--gauntlet", default=None, help="Gauntlet YAML (categories, weighting, averages).")
     ev.add_argument("--data-root", default=".", help="Root that each task's dataset_uri resolves against.")
@@ -270,8 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cont = sub.add_parser("continue", help="Continue pretraining a registered model on new data; promote if better.")
     cont.add_argument("recipe", help="The recipe the model was trained with (its sources are replayed).")
-    cont.add_argument("--from", dest="base", default=None,
-                      help="Registry URI of the base model (default models:/<registered_model>@champion).")
+    cont.add_argument(
+        "--from",
+        dest="base",
+        default=None,
+        help="Registry URI of the base model (default models:/<registered_model>@champion).",
+    )
     cont.add_argument("--new-data", required=True, help="Directory, glob or s3:// prefix of new text files.")
     cont.add_argument("--tokens", type=int, default=None, help="Token budget (default: one pass over the new data).")
     cont.add_argument("--replay-fraction", type=float, default=0.2, help="Share of the recipe's own sources (0.2).")
@@ -293,8 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.set_defaults(func=cmd_compare)
 
     dep = sub.add_parser("deploy", help="Publish prefect.yaml's deployments to the Prefect server in PREFECT_API_URL.")
-    dep.add_argument("names", nargs="*", metavar="NAME", help="Deployments to publish (default: all of prefect.yaml's).")
-    dep.add_argument("--pool", default=None, help="Work pool for all of them instead of prefect.yaml's (created if missing).")
+    dep.add_argument(
+        "names", nargs="*", metavar="NAME", help="Deployments to publish (default: all of prefect.yaml's)."
+    )
+    dep.add_argument(
+        "--pool", default=None, help="Work pool for all of them instead of prefect.yaml's (created if missing)."
+    )
     dep.set_defaults(func=cmd_deploy)
 
     k8s = sub.add_parser("k8s", help="The Kubernetes backend's objects: render a stage's manifests, show a run's.")
@@ -312,9 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--namespace", default=None, help="Namespace (instead of --recipe; default: default).")
     status.set_defaults(func=cmd_k8s_status)
 
-    upp = sub.add_parser("up", help="Run Prefect server, a worker and MLflow locally, with the deployments, until Ctrl-C.")
+    upp = sub.add_parser(
+        "up", help="Run Prefect server, a worker and MLflow locally, with the deployments, until Ctrl-C."
+    )
     upp.add_argument("recipe", nargs="?", default="configs/tiny.yaml", help="Recipe whose MLflow store to serve.")
-    upp.add_argument("--work-dir", default=None, help="Prefect's database and the logs (default: the recipe's work_dir).")
+    upp.add_argument(
+        "--work-dir", default=None, help="Prefect's database and the logs (default: the recipe's work_dir)."
+    )
     upp.add_argument("--host", default="127.0.0.1", help="Interface the servers listen on.")
     upp.add_argument("--prefect-port", type=int, default=4200)
     upp.add_argument("--mlflow-port", type=int, default=5000)
@@ -351,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         # A crash that outlived its retries, or a tracking server that went away mid-run, is not bad
         # input: a rerun resumes from the last checkpoint.
         transient = isinstance(exc, TrackingUnavailable) or (
-            isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal))
+            isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal)
+        )
         return EXIT_FAILED if transient else EXIT_BAD_INPUT
 
 

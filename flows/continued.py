@@ -21,9 +21,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from flows.outcome import form_values, run_or_end
 from flows.pipeline import PipelineResult, RunTarget, run_pipeline
 from flows.prepare import prepare_sources
-from flows.outcome import form_values, run_or_end
 from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
 from tasks import consumed_files, continuation
@@ -39,35 +39,46 @@ class ContinueParams(RunTarget):
     field left empty keeps its default."""
 
     run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
-        None, pattern=NAME_PATTERN, title="Run name",
+        None,
+        pattern=NAME_PATTERN,
+        title="Run name",
         description="Names the continued run (its checkpoints, MLflow run and versions). Empty: derived from the "
         "base version and the new files, <recipe>-cpt-v<N>-<digest>, so a retry of the same continuation resumes.",
-    )  # fmt: skip
+    )
 
     new_data: str = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="New data: a directory (every file under it), a glob, or an s3:// prefix. Files an earlier "
         "continued run of this model consumed are skipped.",
-    )  # fmt: skip
+    )
     base: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
-        None, title="Base model",
+        None,
+        title="Base model",
         description="Registry URI of the model to continue, e.g. `models:/tessera-tiny/3` or "
         "`models:/tessera-tiny@best`. Empty: the champion of the recipe's registered model.",
-    )  # fmt: skip
+    )
     new_data_format: Literal["text", "jsonl"] = Field("text", description="How the new files are read.")
-    separator: str | None = Field("\n\n", description="text: split each file into documents on this; null: one per file.")
+    separator: str | None = Field(
+        "\n\n", description="text: split each file into documents on this; null: one per file."
+    )
     text_field: str = Field("text", description="jsonl: the field holding the document text.")
     tokens: Annotated[int | None, *form_input({"type": "integer", "minimum": 1})] = Field(
-        None, gt=0, title="Token budget",
+        None,
+        gt=0,
+        title="Token budget",
         description="Tokens to train: a positive integer. Empty: one pass over the new data (plus the replay share).",
-    )  # fmt: skip
+    )
     replay_fraction: float = Field(
         0.2, ge=0, lt=1, description="Share of each batch drawn from the recipe's own sources, against forgetting."
     )
     lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
-        None, gt=0, le=1, title="Peak learning rate",
+        None,
+        gt=0,
+        le=1,
+        title="Peak learning rate",
         description="Peak LR of the rewarm: above 0 and at most 1. Empty: the recipe's train.optim.lr.",
-    )  # fmt: skip
+    )
     rewarm_fraction: float = Field(
         0.1, ge=0, lt=1, description="Share of the budget spent warming the LR back up from zero."
     )
@@ -76,13 +87,15 @@ class ContinueParams(RunTarget):
         None, description="The headline gain promotion needs. Empty: the recipe's promote.min_gain."
     )
     max_category_drop: Annotated[float | None, *form_input({"type": "number", "minimum": 0})] = Field(
-        None, ge=0, description="The largest drop a category may take, 0 or more. Empty: the recipe's "
-        "promote.max_category_drop.",
-    )  # fmt: skip
+        None,
+        ge=0,
+        description="The largest drop a category may take, 0 or more. Empty: the recipe's promote.max_category_drop.",
+    )
     if_running: Literal["refuse", "wait"] = Field(
-        "refuse", title="If a run of this name is live",
+        "refuse",
+        title="If a run of this name is live",
         description="refuse: end at once as Refused, naming the live run; wait: start when it has ended.",
-    )  # fmt: skip
+    )
 
 
 class ContinueResult(BaseModel):
@@ -127,17 +140,31 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         since = f"since {last_run}" if last_run else "(no continued run yet)"
         message = f"no new data {since}: {len(inputs)} file(s) under {params.new_data}, all consumed; nothing trained"
         logger.info(message)
-        create_markdown_artifact(key=artifact_key(recipe.name, "continued", "no-new-data"), markdown=f"{message}\n",
-                                 description=f"Continued pretraining of {name}")  # fmt: skip
+        create_markdown_artifact(
+            key=artifact_key(recipe.name, "continued", "no-new-data"),
+            markdown=f"{message}\n",
+            description=f"Continued pretraining of {name}",
+        )
         champion = champion_version(client_for(recipe.tracking), name)
-        return ContinueResult(run_name=params.run_name or "", base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
-                              new_files=0, trained=False, champion=int(champion) if champion else None)  # fmt: skip
+        return ContinueResult(
+            run_name=params.run_name or "",
+            base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
+            new_files=0,
+            trained=False,
+            champion=int(champion) if champion else None,
+        )
     base_mv = continuation.base_version(recipe.tracking, params.base)
     name, version = base_mv.name, str(base_mv.version)
     base_uri = f"models:/{name}/{version}"
     run_name = params.run_name or continuation.default_run_name(recipe.name, version, fresh)
-    logger.info("continuing %s (run %s) on %d new file(s) of %d under %s", base_uri, run_name, len(fresh), len(inputs),
-                params.new_data)  # fmt: skip
+    logger.info(
+        "continuing %s (run %s) on %d new file(s) of %d under %s",
+        base_uri,
+        run_name,
+        len(fresh),
+        len(inputs),
+        params.new_data,
+    )
 
     source_name = f"new-{run_name.rsplit('-', 1)[-1]}"
     source = {"name": source_name, "kind": params.new_data_format, "paths": [f.path for f in fresh]}
@@ -148,24 +175,52 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     budget = max(per_step, budget // per_step * per_step)
     checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
     raw = continuation.derive(
-        recipe.model_dump(mode="json"), base_uri=base_uri, checkpoint=checkpoint, source=source, tokenizer=tokenizer,
-        budget=budget, replay_fraction=params.replay_fraction, rewarm_fraction=params.rewarm_fraction, lr=params.lr,
-        schedule=params.schedule, min_gain=params.min_gain, max_category_drop=params.max_category_drop,
-    )  # fmt: skip
+        recipe.model_dump(mode="json"),
+        base_uri=base_uri,
+        checkpoint=checkpoint,
+        source=source,
+        tokenizer=tokenizer,
+        budget=budget,
+        replay_fraction=params.replay_fraction,
+        rewarm_fraction=params.rewarm_fraction,
+        lr=params.lr,
+        schedule=params.schedule,
+        min_gain=params.min_gain,
+        max_category_drop=params.max_category_drop,
+    )
     try:
         continued = Recipe.model_validate(raw)
     except Exception as exc:  # noqa: BLE001 - the derived recipe failing means the inputs were inconsistent
-        raise RecipeError(f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}") from None
-    logger.info("continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
-                run_name, budget, 100 * params.replay_fraction, ", ".join(recipe.train.stages[-1].mixture),
-                continued.train.optim.lr, continued.train.optim.warmup_tokens, params.schedule)  # fmt: skip
+        raise RecipeError(
+            f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}"
+        ) from None
+    logger.info(
+        "continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
+        run_name,
+        budget,
+        100 * params.replay_fraction,
+        ", ".join(recipe.train.stages[-1].mixture),
+        continued.train.optim.lr,
+        continued.train.optim.warmup_tokens,
+        params.schedule,
+    )
 
-    result = run_or_end(run_name, lambda: run_pipeline(
-        continued, run_name, params.recipe, params.if_running,
-        run_tags={consumed_files.MODEL_TAG: name, "tessera.continued_from": base_uri, "tessera.new_data": params.new_data,
-                  "tessera.new_files": str(len(fresh))},
-        version_tags={"continued_from": f"v{version}"},
-    ))  # fmt: skip
+    result = run_or_end(
+        run_name,
+        lambda: run_pipeline(
+            continued,
+            run_name,
+            params.recipe,
+            params.if_running,
+            run_tags={
+                consumed_files.MODEL_TAG: name,
+                "tessera.continued_from": base_uri,
+                "tessera.new_data": params.new_data,
+                "tessera.new_files": str(len(fresh)),
+            },
+            version_tags={"continued_from": f"v{version}"},
+        ),
+    )
     from tasks.register import best_of_run
 
     client = client_for(continued.tracking)
@@ -173,12 +228,29 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     challenger = int(best) if best else None
     decision, champion = (None, None)
     if challenger is not None:
-        decision, champion = promote_challenger(continued.eval, continued.tracking, continued.promote, run_name,
-                                                result.mlflow_run_id, challenger, continued.data.seq_len)  # fmt: skip
+        decision, champion = promote_challenger(
+            continued.eval,
+            continued.tracking,
+            continued.promote,
+            run_name,
+            result.mlflow_run_id,
+            challenger,
+            continued.data.seq_len,
+        )
     # Only now do the files count as consumed: a run that failed before here trains on them again.
-    consumed_files.record(continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh])
-    return ContinueResult(run_name=run_name, base=base_uri, new_files=len(fresh), trained=True, pipeline=result,
-                          challenger=challenger, decision=decision, champion=champion)  # fmt: skip
+    consumed_files.record(
+        continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh]
+    )
+    return ContinueResult(
+        run_name=run_name,
+        base=base_uri,
+        new_files=len(fresh),
+        trained=True,
+        pipeline=result,
+        challenger=challenger,
+        decision=decision,
+        champion=champion,
+    )
 
 
 def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: float) -> int:
@@ -190,4 +262,3 @@ def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: fl
     prepared = prepare_sources.with_options(flow_run_name="prepare-new-data")(DataConfig.model_validate(raw))
     new_tokens = prepared.sources[source["name"]].tokens
     return int(new_tokens / (1.0 - replay_fraction))
-

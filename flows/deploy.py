@@ -77,7 +77,9 @@ def load_project(root: Path = PROJECT_ROOT) -> Project:
         raise DeployError(f"{path}: not found (tessera deploys from a source checkout)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        raise DeployError(f"{path}{f':{mark.line + 1}' if mark else ''}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise DeployError(
+            f"{path}{f':{mark.line + 1}' if mark else ''}: invalid YAML: {getattr(exc, 'problem', exc)}"
+        ) from None
     if not isinstance(raw, dict):
         raise DeployError(f"{path}: expected a mapping at the top level")
     try:
@@ -106,7 +108,9 @@ def load_project(root: Path = PROJECT_ROOT) -> Project:
         if name in deployments:
             raise DeployError(f"{path}: deployments.{i}: a second deployment named {name!r}")
         if pool not in pools:
-            raise DeployError(f"{path}: deployments.{i} ({name}): work pool {pool!r} is not under definitions.work_pools")
+            raise DeployError(
+                f"{path}: deployments.{i} ({name}): work pool {pool!r} is not under definitions.work_pools"
+            )
         deployments[name] = DeploymentSpec(name, entrypoint, pool, entry)
     if not deployments:
         raise DeployError(f"{path}: declares no deployments")
@@ -139,7 +143,9 @@ def reachable_api_url() -> str:
         httpx.get(f"{url}/health", timeout=10).raise_for_status()
     except httpx.HTTPError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DeployError(f"the Prefect server at {url} does not answer ({reason}); start one with `tessera up`") from None
+        raise DeployError(
+            f"the Prefect server at {url} does not answer ({reason}); start one with `tessera up`"
+        ) from None
     return url
 
 
@@ -158,7 +164,9 @@ def ensure_pool(project: Project, name: str) -> None:
             pass
         spec = project.pools.get(name)
         if spec is None:
-            raise DeployError(f"work pool {name!r} is neither on the server nor under definitions.work_pools in {PREFECT_FILE}")
+            raise DeployError(
+                f"work pool {name!r} is neither on the server nor under definitions.work_pools in {PREFECT_FILE}"
+            )
         # the installed worker class owns the pool's job template; Prefect's online registry is not consulted (offline)
         worker = BaseWorker.get_worker_class_from_type(spec.type)
         if worker is None:
@@ -167,9 +175,13 @@ def ensure_pool(project: Project, name: str) -> None:
             raise DeployError(f"work pool {name!r} is of type {spec.type!r}, which {hint}")
         try:
             client.create_work_pool(
-                WorkPoolCreate(name=name, type=spec.type, description=spec.description,
-                               base_job_template=worker.get_default_base_job_template())
-            )  # fmt: skip
+                WorkPoolCreate(
+                    name=name,
+                    type=spec.type,
+                    description=spec.description,
+                    base_job_template=worker.get_default_base_job_template(),
+                )
+            )
         except ObjectAlreadyExists:  # created by a worker or a second deploy meanwhile: same pool
             pass
 
@@ -177,7 +189,9 @@ def ensure_pool(project: Project, name: str) -> None:
 def _selected(project: Project, names: list[str]) -> list[DeploymentSpec]:
     unknown = [n for n in names if n not in project.deployments]
     if unknown:
-        raise DeployError(f"unknown deployment {unknown[0]!r}; {PREFECT_FILE} declares: {', '.join(project.deployments)}")
+        raise DeployError(
+            f"unknown deployment {unknown[0]!r}; {PREFECT_FILE} declares: {', '.join(project.deployments)}"
+        )
     return [project.deployments[n] for n in dict.fromkeys(names)] if names else list(project.deployments.values())
 
 
@@ -187,7 +201,9 @@ def _last_line(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def _run_prefect_deploy(project: Project, specs: list[DeploymentSpec], pool: str | None, url: str, log: Path | None) -> None:
+def _run_prefect_deploy(
+    project: Project, specs: list[DeploymentSpec], pool: str | None, url: str, log: Path | None
+) -> None:
     """`prefect --no-prompt deploy --all` over a copy of prefect.yaml holding only `specs`.
 
     The copy is how a pool override reaches every deployment: with more than one deployment
@@ -215,8 +231,9 @@ def _run_prefect_deploy(project: Project, specs: list[DeploymentSpec], pool: str
     if log is not None:
         log.write_text(output)
     if done.returncode != 0:
-        raise DeployError(f"prefect deploy failed (exit {done.returncode}): {_last_line(output)}"
-                          + (f"; see {log}" if log else ""))  # fmt: skip
+        raise DeployError(
+            f"prefect deploy failed (exit {done.returncode}): {_last_line(output)}" + (f"; see {log}" if log else "")
+        )
 
 
 def _published(specs: list[DeploymentSpec]) -> list[Deployed]:
@@ -235,13 +252,20 @@ def _published(specs: list[DeploymentSpec]) -> list[Deployed]:
             match = next((d for d in found if d.name == spec.name and d.entrypoint == spec.entrypoint), None)
             if match is None:
                 raise DeployError(f"prefect deploy finished but the server has no deployment {spec.name!r}")
-            deployed.append(Deployed(client.read_flow(match.flow_id).name, spec.name, str(match.id),
-                                     f"{ui}/deployments/deployment/{match.id}"))  # fmt: skip
+            deployed.append(
+                Deployed(
+                    client.read_flow(match.flow_id).name,
+                    spec.name,
+                    str(match.id),
+                    f"{ui}/deployments/deployment/{match.id}",
+                )
+            )
     return deployed
 
 
-def deploy(names: list[str] | None = None, pool: str | None = None, *, log: Path | None = None,
-           project: Project | None = None) -> list[Deployed]:  # fmt: skip
+def deploy(
+    names: list[str] | None = None, pool: str | None = None, *, log: Path | None = None, project: Project | None = None
+) -> list[Deployed]:
     """Publish the named deployments (default: all) to the server in PREFECT_API_URL, creating
     missing work pools; `pool` moves them all to that pool. Raises DeployError (one line)."""
     project = project or load_project()

@@ -22,7 +22,9 @@ class EvalParams(BaseModel):
     """Score a model on an Eval Gauntlet task list, optionally against a second one. Fields left empty keep their
     defaults."""
 
-    model: str = Field(..., description="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N.")
+    model: str = Field(
+        ..., description="Composer checkpoint, HF model directory, or models:/name@alias | models:/name/N."
+    )
     tasks: str = Field(..., description="ICL task list YAML (Mosaic Eval Gauntlet format).")
     gauntlet: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
         None, description="Gauntlet YAML (categories, weighting, averages). Empty: report the tasks only."
@@ -75,8 +77,16 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
     )
     report = score_model(params.model, cfg, params.tracking_uri)
     baseline = score_model(params.compare_to, cfg, params.tracking_uri) if params.compare_to else None
-    written = write_reports(report, baseline, params.model, params.compare_to, params.output_dir,
-                            params.tracking_uri, params.run_id, params.step)  # fmt: skip
+    written = write_reports(
+        report,
+        baseline,
+        params.model,
+        params.compare_to,
+        params.output_dir,
+        params.tracking_uri,
+        params.run_id,
+        params.step,
+    )
     create_markdown_artifact(markdown=written.markdown, description=f"tessera eval of {params.model}")
     print(written.markdown)
     return EvalOutcome(

@@ -91,8 +91,12 @@ def run_or_end(run_name: str, body: Callable[[], T]) -> T:
         _end_as(Cancelled(name=REFUSED, message=str(exc)))
     except TerminationSignal:
         why = _stop_reason() or "cancelled"
-        _end_as(Cancelled(message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
-                                  "stays, and a rerun of the same run name resumes from it"))  # fmt: skip
+        _end_as(
+            Cancelled(
+                message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
+                "stays, and a rerun of the same run name resumes from it"
+            )
+        )
 
 
 def ended_message(exc: BaseException) -> tuple[str, bool] | None:

@@ -29,9 +29,9 @@ from flows.runtime import prepare_process
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.gauntlet_queue import GauntletQueue, QueueTarget
-from tasks.run_slot import one_per_run, run_tag
-from tasks.register import Registration, move_aliases
 from tasks.mlflow_run import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
+from tasks.register import Registration, move_aliases
+from tasks.run_slot import one_per_run, run_tag
 from tasks.train import (
     MlflowTarget,
     TrainJob,
@@ -58,10 +58,11 @@ class RunTarget(BaseModel):
     """The first two fields of every training form: which recipe, and which run of it."""
 
     recipe: str = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="Path to the recipe YAML, e.g. configs/tiny.yaml (relative paths resolve against the worker's "
         "directory).",
-    )  # fmt: skip
+    )
     run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
         None, pattern=NAME_PATTERN, title="Run name", description=RUN_NAME_HELP
     )
@@ -84,8 +85,9 @@ class PipelineResult(BaseModel):
     registrations: list[Registration]
 
 
-def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, queue: GauntletQueue,
-                     holder: str) -> None:  # fmt: skip
+def _train_and_watch(
+    recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, queue: GauntletQueue, holder: str
+) -> None:
     save_folder = Path(job.save_folder)
     for k, stage in enumerate(recipe.train.stages):
         training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
@@ -100,10 +102,15 @@ def _train_and_watch(recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Pat
 
 def _git_sha() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
@@ -177,12 +184,19 @@ def _close_after_failure(tracking, run_id: str, error: BaseException) -> None:
     try:
         close_run.fn(tracking, run_id, "KILLED" if cancelled else "FAILED", note, CLOSE_AFTER_FAILURE_S)
     except Exception as exc:  # noqa: BLE001
-        get_run_logger().warning("could not mark MLflow run %s as ended (%s); the error above is what failed", run_id,
-                                 exc)  # fmt: skip
+        get_run_logger().warning(
+            "could not mark MLflow run %s as ended (%s); the error above is what failed", run_id, exc
+        )
 
 
-def run_pipeline(recipe: Recipe, run_name: str, recipe_path: str, if_running: Literal["refuse", "wait"] = "refuse",
-                 run_tags: dict[str, str] | None = None, version_tags: dict[str, str] | None = None) -> PipelineResult:  # fmt: skip
+def run_pipeline(
+    recipe: Recipe,
+    run_name: str,
+    recipe_path: str,
+    if_running: Literal["refuse", "wait"] = "refuse",
+    run_tags: dict[str, str] | None = None,
+    version_tags: dict[str, str] | None = None,
+) -> PipelineResult:
     """Prepare, train every stage, evaluate and register each checkpoint; the body of every training flow.
 
     `run_tags` go on the MLflow run, `version_tags` on every model version it registers (continued
@@ -198,8 +212,9 @@ def run_pipeline(recipe: Recipe, run_name: str, recipe_path: str, if_running: Li
         return _run_exclusively(recipe, run_name, recipe_path, run_tags or {}, version_tags or {}, logger)
 
 
-def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: dict[str, str],
-                     version_tags: dict[str, str], logger) -> PipelineResult:  # fmt: skip
+def _run_exclusively(
+    recipe: Recipe, run_name: str, recipe_path: str, run_tags: dict[str, str], version_tags: dict[str, str], logger
+) -> PipelineResult:
     from prefect.runtime import flow_run
 
     run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
@@ -217,7 +232,7 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
         "mlflow.source.name": "flows/pipeline.py:pretrain_pipeline",
         "mlflow.source.git.commit": sha,
         "mlflow.note.content": f"tessera run **{run_name}** of recipe `{recipe_path}`"
-                               + (f", Prefect flow run [{flow_run.name}]({flow_url})" if flow_url else ""),
+        + (f", Prefect flow run [{flow_run.name}]({flow_url})" if flow_url else ""),
         **run_tags,
     }
     # first: a dead tracking server should stop the run before any compute is spent
@@ -228,20 +243,42 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
         resolved.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
         changed = record_run(recipe.tracking, run_id, recipe.tracked_params(), {}, {"recipe": str(resolved)})
         if changed:
-            logger.warning("run %s: %s differ from the values this MLflow run was started with; kept as "
-                           "tessera.param_changed.* tags", run_name, ", ".join(changed))  # fmt: skip
+            logger.warning(
+                "run %s: %s differ from the values this MLflow run was started with; kept as "
+                "tessera.param_changed.* tags",
+                run_name,
+                ", ".join(changed),
+            )
         _link_mlflow_run(recipe, run_name, run_id)
 
         data = prepare_recipe_data(recipe.data, recipe.train.stages, run_name)
-        job = make_job(run_name, recipe.model, recipe.train, recipe.data.seq_len, data.prepared,
-                       data.seq_len_streams, recipe.eval.every, run_dir, MlflowTarget(
-                           tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id))  # fmt: skip
+        job = make_job(
+            run_name,
+            recipe.model,
+            recipe.train,
+            recipe.data.seq_len,
+            data.prepared,
+            data.seq_len_streams,
+            recipe.eval.every,
+            run_dir,
+            MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
+        )
         job_path = write_job(job, run_dir / "job.json")
         record_run(recipe.tracking, run_id, {"data.vocab_size": str(job.vocab_size)}, {}, {"recipe": str(job_path)})
-        queue = GauntletQueue(QueueTarget(
-            run_name=run_name, run_id=run_id, eval=recipe.eval, tracking=recipe.tracking, compute=recipe.compute,
-            seq_len=recipe.data.seq_len, recipe_hash=recipe.content_hash(), remote_folder=job.remote_folder,
-        ), run_dir, version_tags)  # fmt: skip
+        queue = GauntletQueue(
+            QueueTarget(
+                run_name=run_name,
+                run_id=run_id,
+                eval=recipe.eval,
+                tracking=recipe.tracking,
+                compute=recipe.compute,
+                seq_len=recipe.data.seq_len,
+                recipe_hash=recipe.content_hash(),
+                remote_folder=job.remote_folder,
+            ),
+            run_dir,
+            version_tags,
+        )
         holder = f"flow run {flow_run.name!r} ({flow_run.id}{', ' + flow_url if flow_url else ''})"
         try:
             _train_and_watch(recipe, job, job_path, run_dir, queue, holder)
@@ -260,8 +297,9 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
     try:
         close_run(recipe.tracking, run_id, "FINISHED")
     except Exception as exc:  # noqa: BLE001 - the work is done and registered; only the status flag is stale
-        logger.warning("run %s finished, but MLflow run %s could not be closed (%s); a rerun closes it",
-                       run_name, run_id, exc)  # fmt: skip
+        logger.warning(
+            "run %s finished, but MLflow run %s could not be closed (%s); a rerun closes it", run_name, run_id, exc
+        )
 
     rows = "\n".join(f"| {r.tokens:,} | v{r.version} | {'new' if r.created else 'existing'} |" for r in registrations)
     summary = (
@@ -273,9 +311,10 @@ def _run_exclusively(recipe: Recipe, run_name: str, recipe_path: str, run_tags: 
         else "No checkpoint was registered."
     )
     create_markdown_artifact(
-        key=artifact_key(run_name, "registered-versions"), markdown=summary,
+        key=artifact_key(run_name, "registered-versions"),
+        markdown=summary,
         description=f"Model versions registered by run {run_name}",
-    )  # fmt: skip
+    )
     logger.info("run %s: %d versions registered", run_name, len(registrations))
     return PipelineResult(run_name=run_name, mlflow_run_id=run_id, registrations=registrations)
 
@@ -287,16 +326,24 @@ def _link_mlflow_run(recipe: Recipe, run_name: str, run_id: str) -> None:
     experiment_id = client_for(recipe.tracking).get_run(run_id).info.experiment_id
     url = run_ui_url(recipe.tracking, run_id, experiment_id)
     create_link_artifact(
-        link=url, link_text=f"MLflow run {run_name}", key=artifact_key(run_name, "mlflow-run"),
+        link=url,
+        link_text=f"MLflow run {run_name}",
+        key=artifact_key(run_name, "mlflow-run"),
         description=f"Open the MLflow run of {run_name}: its metrics, gauntlet reports and model versions ({run_id}).",
-    )  # fmt: skip
+    )
 
 
 # validate_parameters=False: the form's values are validated first thing in the body, in one line
 # (form_values), also when the UI's "Validate parameters" switch was off; Prefect's own check would
 # fail the run with a traceback.
-@flow(name="pretrain_pipeline", flow_run_name=_flow_run_name, log_prints=True, validate_parameters=False,
-      on_crashed=[_record_end], on_cancellation=[_record_end])  # fmt: skip
+@flow(
+    name="pretrain_pipeline",
+    flow_run_name=_flow_run_name,
+    log_prints=True,
+    validate_parameters=False,
+    on_crashed=[_record_end],
+    on_cancellation=[_record_end],
+)
 def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
     """Prepare the recipe's data, train its curriculum, and evaluate and register every checkpoint."""
     prepare_process()
@@ -317,9 +364,9 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
 
 def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:
     """A model's first champion is its first run's best version; after that only the promotion rule moves it."""
+    from tasks.mlflow_run import client_for, retrying
     from tasks.promote import bootstrap
     from tasks.register import best_of_run
-    from tasks.mlflow_run import client_for, retrying
 
     name = recipe.tracking.registered_model
     client = client_for(recipe.tracking)

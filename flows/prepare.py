@@ -20,7 +20,18 @@ from tasks.data.results import PreparedData, PreparedSource, summarize
 from tasks.data.tokenizer import TokenizerInfo
 from trainers.config import StageConfig
 
-__all__ = ["warm_up", "prepare_data", "prepare_recipe_data", "prepare_sources", "RecipeData", "PreparedData", "PreparedSource", "TokenizerInfo", "DataError", "summarize"]
+__all__ = [
+    "warm_up",
+    "prepare_data",
+    "prepare_recipe_data",
+    "prepare_sources",
+    "RecipeData",
+    "PreparedData",
+    "PreparedSource",
+    "TokenizerInfo",
+    "DataError",
+    "summarize",
+]
 
 
 @contextlib.contextmanager
@@ -44,8 +55,9 @@ def _progress_bars(data: DataConfig, logger, every_s: float = 20.0):
             bar.update(docs)
             if quiet and time.monotonic() - state["said"] >= every_s:
                 state["said"] = time.monotonic()
-                logger.info("source %s: %s documents, %s tokens so far", name, f"{state['docs']:,}",
-                            f"{state['tokens']:,}")  # fmt: skip
+                logger.info(
+                    "source %s: %s documents, %s tokens so far", name, f"{state['docs']:,}", f"{state['tokens']:,}"
+                )
 
         bars[src.name] = bar
         prepare_tasks.PROGRESS[src.name] = update
@@ -81,9 +93,18 @@ def prepare_sources(data: DataConfig) -> PreparedData:
 
     create_table_artifact(
         key="prepared-data",
-        table=[{"source": s.name, "documents": s.documents, "tokens": s.tokens, "val_tokens": s.val_tokens,
-                "skipped": s.skipped, "state": "cached" if s.cached else "written", "path": s.root}
-               for s in sources.values()],
+        table=[
+            {
+                "source": s.name,
+                "documents": s.documents,
+                "tokens": s.tokens,
+                "val_tokens": s.val_tokens,
+                "skipped": s.skipped,
+                "state": "cached" if s.cached else "written",
+                "path": s.root,
+            }
+            for s in sources.values()
+        ],
         description=f"Prepared sources (seq_len {data.seq_len}, tokenizer {tok.hf_dir})",
     )
     skipped = [s.name for s in sources.values() if s.cached]
@@ -93,8 +114,9 @@ def prepare_sources(data: DataConfig) -> PreparedData:
     return prepared
 
 
-def prepare_stage_lengths(data: DataConfig, stages: list[StageConfig], tokenizer_dir: str,
-                          run_name: str = "") -> dict[int, dict[str, str]]:  # fmt: skip
+def prepare_stage_lengths(
+    data: DataConfig, stages: list[StageConfig], tokenizer_dir: str, run_name: str = ""
+) -> dict[int, dict[str, str]]:
     """Stages with their own seq_len read their sources packed at that length: prepare those too.
 
     Each length is its own cached output (seq_len is part of a source's hash), so this costs one

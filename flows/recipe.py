@@ -65,8 +65,11 @@ class Recipe(BaseModel):
         than renumbering them; data sources are named, their file lists live in the recipe artifact.
         """
         dump = self.model_dump(mode="json")
-        out: dict[str, str] = {"recipe": self.name, "data.seq_len": str(self.data.seq_len),
-                               "data.sources": ",".join(s.name for s in self.data.sources)}  # fmt: skip
+        out: dict[str, str] = {
+            "recipe": self.name,
+            "data.seq_len": str(self.data.seq_len),
+            "data.sources": ",".join(s.name for s in self.data.sources),
+        }
         tokenizer = dump["data"]["tokenizer"]
         out["data.tokenizer"] = tokenizer["path"] or f"train:{json.dumps(tokenizer['train'], sort_keys=True)}"
 
@@ -93,9 +96,7 @@ class Recipe(BaseModel):
         for i, stage in enumerate(self.train.stages):
             unknown = sorted(set(stage.mixture) - sources)
             if unknown:
-                raise _CrossCheckError(
-                    ("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}"
-                )
+                raise _CrossCheckError(("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}")
         misaligned = batch_alignment_error(self.train, self.data.seq_len, self.eval.every)
         if misaligned is not None:
             raise _CrossCheckError(*misaligned)
@@ -103,11 +104,17 @@ class Recipe(BaseModel):
             # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
             for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):
                 if not (value or "").startswith("s3://"):
-                    raise _CrossCheckError(loc, f"{value}: must be an s3:// URI with compute.backend kubernetes "
-                                                "(pods share no disk with the flow or with each other)")  # fmt: skip
+                    raise _CrossCheckError(
+                        loc,
+                        f"{value}: must be an s3:// URI with compute.backend kubernetes "
+                        "(pods share no disk with the flow or with each other)",
+                    )
             if not self.tracking.tracking_uri.startswith(("http://", "https://", "databricks")):
-                raise _CrossCheckError(("tracking", "tracking_uri"), f"{self.tracking.tracking_uri}: pods log to "
-                                       "MLflow over the network; use an http(s):// tracking server")  # fmt: skip
+                raise _CrossCheckError(
+                    ("tracking", "tracking_uri"),
+                    f"{self.tracking.tracking_uri}: pods log to "
+                    "MLflow over the network; use an http(s):// tracking server",
+                )
 
 
 class _CrossCheckError(Exception):
@@ -237,7 +244,11 @@ class RecipeOverrides(BaseModel):
         "recipe's). Each budget is a positive multiple of that stage's global_batch_size x seq_len.",
     )
     lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
-        None, gt=0, le=1, title="Peak learning rate", description="Peak learning rate (train.optim.lr): above 0 and at most 1."
+        None,
+        gt=0,
+        le=1,
+        title="Peak learning rate",
+        description="Peak learning rate (train.optim.lr): above 0 and at most 1.",
     )
     eval_every: Annotated[PositiveInt | None, *form_input({"type": "integer", "minimum": 1})] = Field(
         None,
@@ -251,8 +262,11 @@ class RecipeOverrides(BaseModel):
         "processes on the worker's machine, `kubernetes` in pods.",
     )
     procs_per_node: Annotated[int | None, *form_input({"type": "integer", "minimum": 1, "maximum": 64})] = Field(
-        None, ge=1, le=64, title="Ranks per node",
-        description="Training processes (ranks) per node (compute.procs_per_node): 1 to 64."
+        None,
+        ge=1,
+        le=64,
+        title="Ranks per node",
+        description="Training processes (ranks) per node (compute.procs_per_node): 1 to 64.",
     )
     tracking_uri: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
         None,

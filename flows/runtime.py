@@ -36,13 +36,21 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
     from flows.recipe import RecipeError
     from tasks.continuation import ContinuationError
     from tasks.data.errors import DataError
-    from tasks.run_slot import RunBusy
     from tasks.mlflow_run import TrackingError, TrackingUnavailable
+    from tasks.run_slot import RunBusy
     from tasks.train import TrainingFailed
 
     # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input
-    return (RecipeError, DataError, TrackingError, TrackingUnavailable, TrainingFailed, GauntletError, RunBusy,
-            ContinuationError)
+    return (
+        RecipeError,
+        DataError,
+        TrackingError,
+        TrackingUnavailable,
+        TrainingFailed,
+        GauntletError,
+        RunBusy,
+        ContinuationError,
+    )
 
 
 class _NoTracebackForBadInput(logging.Filter):

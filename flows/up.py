@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -25,8 +25,8 @@ from flows.deploy import QUIET_ENV, Deployed, DeployError, Project, deploy, ensu
 from flows.recipe import Recipe, load_recipe
 from flows.runtime import PREFECT_SERVER_OUTAGE
 from flows.up_stack import EXIT_FAILED, Service, UpError, _become_subreaper, _Stack
-from tasks.run_slot import ensure_names_lock
 from tasks.mlflow_run import resolved_uri
+from tasks.run_slot import ensure_names_lock
 
 EXIT_BAD_INPUT = 2
 
@@ -85,7 +85,11 @@ def _answers(url: str) -> bool:
 
 
 def _worker_online(api: str, name: str, since: str) -> bool:
-    body = {"workers": {"status": {"any_": ["ONLINE"]}, "last_heartbeat_time": {"after_": since}}, "limit": 200, "offset": 0}
+    body = {
+        "workers": {"status": {"any_": ["ONLINE"]}, "last_heartbeat_time": {"after_": since}},
+        "limit": 200,
+        "offset": 0,
+    }
     try:
         response = httpx.post(f"{api}/work_pools/{LOCAL_POOL}/workers/filter", json=body, timeout=5)
     except httpx.HTTPError:
@@ -135,40 +139,85 @@ def _plan(opts: UpOptions, recipe: Recipe, project: Project) -> _Plan:
     tracking = resolved_uri(recipe.tracking.tracking_uri)
     own_mlflow = not tracking.startswith(("http://", "https://"))
     mlflow_url = f"http://{host}:{opts.mlflow_port}" if own_mlflow else tracking
-    home = {"PREFECT_HOME": str(prefect_home), "PREFECT_PROFILES_PATH": str(prefect_home / "profiles.toml"),
-            "PYTHONUNBUFFERED": "1", **OFFLINE_ENV}  # fmt: skip
+    home = {
+        "PREFECT_HOME": str(prefect_home),
+        "PREFECT_PROFILES_PATH": str(prefect_home / "profiles.toml"),
+        "PYTHONUNBUFFERED": "1",
+        **OFFLINE_ENV,
+    }
     worker_name = f"tessera-up@{socket.gethostname()}"
     server = Service(
         "prefect-server",
         [sys.executable, "-m", "prefect", "server", "start", "--host", opts.host, "--port", str(opts.prefect_port)],
-        {**home,
-         # the UI asks /ui-settings where the API is: that comes from these settings, not from --host/--port
-         "PREFECT_SERVER_API_HOST": opts.host, "PREFECT_SERVER_API_PORT": str(opts.prefect_port),
-         "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api,
-         # in memory, a run-name slot held when the server stops would stay held after its restart
-         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"},
-        logs / "prefect-server.log", ui,
-    )  # fmt: skip
+        {
+            **home,
+            # the UI asks /ui-settings where the API is: that comes from these settings, not from --host/--port
+            "PREFECT_SERVER_API_HOST": opts.host,
+            "PREFECT_SERVER_API_PORT": str(opts.prefect_port),
+            "PREFECT_API_URL": api,
+            "PREFECT_UI_API_URL": api,
+            # in memory, a run-name slot held when the server stops would stay held after its restart
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+        },
+        logs / "prefect-server.log",
+        ui,
+    )
     worker = Service(
         "prefect-worker",
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", LOCAL_POOL,
-         "--type", project.pools[LOCAL_POOL].type, "--name", worker_name],
-        {**home, "PREFECT_API_URL": api, "TESSERA_MLFLOW_UI_URL": mlflow_url,
-         "PREFECT_WORKER_QUERY_SECONDS": "2"},  # a click in the UI starts a run within seconds
-        logs / "prefect-worker.log", f"{ui}/work-pools/work-pool/{LOCAL_POOL}",
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            LOCAL_POOL,
+            "--type",
+            project.pools[LOCAL_POOL].type,
+            "--name",
+            worker_name,
+        ],
+        {
+            **home,
+            "PREFECT_API_URL": api,
+            "TESSERA_MLFLOW_UI_URL": mlflow_url,
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+        },  # a click in the UI starts a run within seconds
+        logs / "prefect-worker.log",
+        f"{ui}/work-pools/work-pool/{LOCAL_POOL}",
+    )
     mlflow = None
     if own_mlflow:
-        argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking,
-                "--host", opts.host, "--port", str(opts.mlflow_port), "--workers", "1"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            tracking,
+            "--host",
+            opts.host,
+            "--port",
+            str(opts.mlflow_port),
+            "--workers",
+            "1",
+        ]
         location = recipe.tracking.artifact_location
         if location:  # where runs logged through this server keep artifacts; tessera's own runs name theirs
             argv += ["--artifacts-destination", location if "://" in location else str(Path(location).resolve())]
         # MLflow's job runner serves GenAI jobs tessera never submits: two processes less on a small machine
-        mlflow = Service("mlflow", argv, {**home, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                         logs / "mlflow.log", mlflow_url, essential=False)  # fmt: skip
+        mlflow = Service(
+            "mlflow",
+            argv,
+            {**home, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            logs / "mlflow.log",
+            mlflow_url,
+            essential=False,
+        )
     ports = {"--prefect-port": opts.prefect_port, **({"--mlflow-port": opts.mlflow_port} if own_mlflow else {})}
-    return _Plan(work_dir, api, ui, mlflow_url, tracking if own_mlflow else None, worker_name, server, worker, mlflow, ports)
+    return _Plan(
+        work_dir, api, ui, mlflow_url, tracking if own_mlflow else None, worker_name, server, worker, mlflow, ports
+    )
 
 
 def _check_ports(host: str, ports: dict[str, int]) -> None:
@@ -176,8 +225,10 @@ def _check_ports(host: str, ports: dict[str, int]) -> None:
         raise UpError(f"{' and '.join(ports)} are the same port ({next(iter(ports.values()))})", EXIT_BAD_INPUT)
     for flag, port in ports.items():
         if not _port_free(host, port):
-            raise UpError(f"{flag} {port}: {host}:{port} is already in use; pick another port or stop what listens there",
-                          EXIT_BAD_INPUT)  # fmt: skip
+            raise UpError(
+                f"{flag} {port}: {host}:{port} is already in use; pick another port or stop what listens there",
+                EXIT_BAD_INPUT,
+            )
 
 
 def up(opts: UpOptions) -> int:
@@ -218,7 +269,7 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
             stack.start(plan.mlflow)
         stack.wait_for(plan.server, lambda: _answers(f"{plan.api}/health"))
         stack.api = plan.api
-        since = datetime.now(timezone.utc).replace(microsecond=0).isoformat()  # this session's heartbeats only
+        since = datetime.now(UTC).replace(microsecond=0).isoformat()  # this session's heartbeats only
         try:
             with temporary_settings({PREFECT_API_URL: plan.api}):
                 ensure_pool(project, LOCAL_POOL)
@@ -259,9 +310,15 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
 
 def _write_state(plan: _Plan, stack: _Stack) -> None:
     """Where everything runs, for tools and tests; service env holds only what tessera sets (no secrets)."""
-    state = {"pid": os.getpid(), "prefect_api_url": plan.api, "prefect_ui_url": plan.ui, "mlflow_url": plan.mlflow_url,
-             "work_pool": LOCAL_POOL, "worker_name": plan.worker_name,
-             "services": {s.name: s.describe() for s in stack.services.values()}}  # fmt: skip
+    state = {
+        "pid": os.getpid(),
+        "prefect_api_url": plan.api,
+        "prefect_ui_url": plan.ui,
+        "mlflow_url": plan.mlflow_url,
+        "work_pool": LOCAL_POOL,
+        "worker_name": plan.worker_name,
+        "services": {s.name: s.describe() for s in stack.services.values()},
+    }
     (plan.logs / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 

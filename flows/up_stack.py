@@ -26,6 +26,7 @@ import psutil
 
 from flows.deploy import PROJECT_ROOT
 from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+
 EXIT_FAILED = 1
 STARTUP_TIMEOUT_S = 240.0  # a first start migrates a fresh database; 2 cores shared with training are slow
 FLOW_RUN_GRACE_S = 15.0  # a flow run cancels its trainer (10 s grace) and reports its state
@@ -52,7 +53,14 @@ class Service:
 
     def describe(self) -> dict:
         pid = self.process.pid if self.process else None
-        return {"pid": pid, "argv": self.argv, "env": self.env, "cwd": str(PROJECT_ROOT), "log": str(self.log), "url": self.url}
+        return {
+            "pid": pid,
+            "argv": self.argv,
+            "env": self.env,
+            "cwd": str(PROJECT_ROOT),
+            "log": str(self.log),
+            "url": self.url,
+        }
 
 
 def _say(line: str) -> None:
@@ -111,11 +119,17 @@ class _Stack:
                 reported.add(service.name)
                 self.errors.poll(final=True)  # its last words first
                 if service.essential:
-                    print(f"tessera up: {service.name} exited (exit code {code}); stopping; see {service.log}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"tessera up: {service.name} exited (exit code {code}); stopping; see {service.log}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return EXIT_FAILED
-                print(f"tessera up: {service.name} exited (exit code {code}); the rest keeps running; see {service.log}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"tessera up: {service.name} exited (exit code {code}); the rest keeps running; see {service.log}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _reap_orphans(self) -> None:
         # orphans re-parented to this subreaper are its children now: collect them once they exit
@@ -136,15 +150,23 @@ class _Stack:
             # outright, so it starts nothing while tessera up stops its flow runs itself.
             _signal(worker_tree[:1], signal.SIGKILL)
             psutil.wait_procs(worker_tree[:1], timeout=5)
-        servers = {p.pid for name in ("prefect-server", "mlflow") if name in self.services
-                   for p in _tree(self.services[name].process.pid)}  # fmt: skip
+        servers = {
+            p.pid
+            for name in ("prefect-server", "mlflow")
+            if name in self.services
+            for p in _tree(self.services[name].process.pid)
+        }
         # flow runs (their own sessions: no group signal reaches them), their trainers, a deploy under way
         rest = {p.pid: p for p in worker_tree[1:] + me.children(recursive=True) if p.pid not in servers}
         self._tell_flow_runs(list(rest.values()))
         self._terminate(list(rest.values()), FLOW_RUN_GRACE_S)
         # the servers last, so the flow runs above could still report their final state
-        trees = [p for name in ("mlflow", "prefect-server") if name in self.services
-                 for p in _tree(self.services[name].process.pid)]  # fmt: skip
+        trees = [
+            p
+            for name in ("mlflow", "prefect-server")
+            if name in self.services
+            for p in _tree(self.services[name].process.pid)
+        ]
         self._terminate(trees, SERVICE_GRACE_S)
         self._terminate(me.children(recursive=True), 0)  # anything that outlived its parent's signal
         for service in self.services.values():

@@ -171,7 +171,9 @@ class KubernetesConfig(_Kube):
     )
     gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name of a GPU.")
     cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU each training pod requests, e.g. '64'.")
-    memory: str | None = Field(None, pattern=_QUANTITY, description="Memory each training pod requests and is limited to.")
+    memory: str | None = Field(
+        None, pattern=_QUANTITY, description="Memory each training pod requests and is limited to."
+    )
     shm_size: str = Field("64Gi", pattern=_QUANTITY, description="Size of the in-memory /dev/shm (dataloaders, NCCL).")
     scratch_size: str = Field(
         "200Gi", pattern=_QUANTITY, description="emptyDir for the trainer's local checkpoint working copy."
@@ -262,10 +264,15 @@ class ComputeConfig(BaseModel):
         backend = info.data.get("backend")
         if backend == "kubernetes" and section is None:
             raise ValueError("required with compute.backend: kubernetes (image, nodes, gpus_per_node, ...)")
-        if backend == "kubernetes" and section.gpus_per_node and info.data.get("procs_per_node", 1) not in (
-            1, section.gpus_per_node):  # fmt: skip
-            raise ValueError(f"gpus_per_node ({section.gpus_per_node}) sets the ranks of a GPU pod (one per GPU); "
-                             f"compute.procs_per_node ({info.data['procs_per_node']}) disagrees")  # fmt: skip
+        if (
+            backend == "kubernetes"
+            and section.gpus_per_node
+            and info.data.get("procs_per_node", 1) not in (1, section.gpus_per_node)
+        ):
+            raise ValueError(
+                f"gpus_per_node ({section.gpus_per_node}) sets the ranks of a GPU pod (one per GPU); "
+                f"compute.procs_per_node ({info.data['procs_per_node']}) disagrees"
+            )
         return section
 
     @property

@@ -25,15 +25,17 @@ from infra.manifests import (
 )
 
 
-def render_stage(compute: ComputeConfig, job_file: Path, stage: int, attempt: int = 0,
-                 env: dict[str, str] | None = None) -> str:  # fmt: skip
+def render_stage(
+    compute: ComputeConfig, job_file: Path, stage: int, attempt: int = 0, env: dict[str, str] | None = None
+) -> str:
     """The objects a launch of stage `stage` creates, as multi-document YAML for review or `kubectl apply -f -`."""
     job_json = job_file.read_text()
     run = json.loads(job_json)["run_name"]
     work = Workload(run, "train", stage=stage, attempt=attempt)
     args = ["--job", f"{JOB_DIR}/{JOB_FILE}", "--stage", str(stage)]
-    objects = stage_manifests(compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json,
-                              env or {})  # fmt: skip
+    objects = stage_manifests(
+        compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json, env or {}
+    )
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)
 
 
@@ -47,8 +49,10 @@ def _state(kind: str, obj: dict) -> str:
             if "waiting" in state and state["waiting"].get("reason") not in (None, "ContainerCreating"):
                 return state["waiting"]["reason"]
             if "terminated" in state:
-                return f"{status.get('phase')} (exit {state['terminated'].get('exitCode')}, " \
-                       f"{state['terminated'].get('reason', '')})"
+                return (
+                    f"{status.get('phase')} (exit {state['terminated'].get('exitCode')}, "
+                    f"{state['terminated'].get('reason', '')})"
+                )
         return status.get("phase", "?")
     for ctype in ("Completed", "Complete", "Failed", "Suspended"):
         cond = condition(obj, ctype)
@@ -68,9 +72,17 @@ def run_status(kube: Kube, run: str) -> str:
     for kind in ("JobSet", "Job", "Pod", "Service", "ConfigMap"):
         for obj in sorted(kube.list(kind, selector), key=lambda o: o["metadata"]["name"]):
             labels = obj["metadata"].get("labels") or {}
-            rows.append((kind, obj["metadata"]["name"], labels.get(LABEL_COMPONENT, ""), labels.get(LABEL_STAGE, ""),
-                         labels.get(LABEL_ATTEMPT, ""), _state(kind, obj),
-                         obj["metadata"].get("creationTimestamp", "")))  # fmt: skip
+            rows.append(
+                (
+                    kind,
+                    obj["metadata"]["name"],
+                    labels.get(LABEL_COMPONENT, ""),
+                    labels.get(LABEL_STAGE, ""),
+                    labels.get(LABEL_ATTEMPT, ""),
+                    _state(kind, obj),
+                    obj["metadata"].get("creationTimestamp", ""),
+                )
+            )
     if len(rows) == 1:
         return f"no live objects of run {run} in namespace {kube.namespace}"
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -84,8 +84,11 @@ class Kube:
         kind = obj["kind"]
         if kind == "JobSet":
             return self._custom("create", obj)
-        fn = {"ConfigMap": self.core.create_namespaced_config_map, "Service": self.core.create_namespaced_service,
-              "Job": self.batch.create_namespaced_job}[kind]  # fmt: skip
+        fn = {
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Service": self.core.create_namespaced_service,
+            "Job": self.batch.create_namespaced_job,
+        }[kind]
         return self._call(fn, self.namespace, obj)
 
     def get(self, kind: str, name: str) -> dict | None:
@@ -93,8 +96,11 @@ class Kube:
         try:
             if kind == "JobSet":
                 return self._custom("get", name)
-            fn = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service,
-                  "Job": self.batch.read_namespaced_job}[kind]  # fmt: skip
+            fn = {
+                "ConfigMap": self.core.read_namespaced_config_map,
+                "Service": self.core.read_namespaced_service,
+                "Job": self.batch.read_namespaced_job,
+            }[kind]
             return self._call(fn, name, self.namespace)
         except KubeError as exc:
             if exc.status == 404:
@@ -107,8 +113,11 @@ class Kube:
             if kind == "JobSet":
                 self._custom("delete", name, propagation_policy=FOREGROUND)
                 return
-            fn = {"ConfigMap": self.core.delete_namespaced_config_map, "Service": self.core.delete_namespaced_service,
-                  "Job": self.batch.delete_namespaced_job}[kind]  # fmt: skip
+            fn = {
+                "ConfigMap": self.core.delete_namespaced_config_map,
+                "Service": self.core.delete_namespaced_service,
+                "Job": self.batch.delete_namespaced_job,
+            }[kind]
             self._call(fn, name, self.namespace, propagation_policy=FOREGROUND)
         except KubeError as exc:
             if exc.status != 404:
@@ -117,9 +126,13 @@ class Kube:
     def list(self, kind: str, selector: str = "", field_selector: str = "") -> list[dict]:
         if kind == "JobSet":
             return self._custom("list", label_selector=selector, field_selector=field_selector).get("items", [])
-        fn = {"ConfigMap": self.core.list_namespaced_config_map, "Service": self.core.list_namespaced_service,
-              "Job": self.batch.list_namespaced_job, "Pod": self.core.list_namespaced_pod,
-              "Event": self.core.list_namespaced_event}[kind]  # fmt: skip
+        fn = {
+            "ConfigMap": self.core.list_namespaced_config_map,
+            "Service": self.core.list_namespaced_service,
+            "Job": self.batch.list_namespaced_job,
+            "Pod": self.core.list_namespaced_pod,
+            "Event": self.core.list_namespaced_event,
+        }[kind]
         return self._call(fn, self.namespace, label_selector=selector, field_selector=field_selector).get("items", [])
 
     # -- watch and logs ------------------------------------------------------------------------------
@@ -127,14 +140,17 @@ class Kube:
     def watch(self, kind: str, name: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
         """(type, object) events of one JobSet or Job until the server ends the watch after timeout_s."""
         if kind == "JobSet":
-            fn, args = self.custom.list_namespaced_custom_object, (JOBSET_GROUP, JOBSET_VERSION, self.namespace,
-                                                                    JOBSET_PLURAL)  # fmt: skip
+            fn, args = (
+                self.custom.list_namespaced_custom_object,
+                (JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL),
+            )
         else:
             fn, args = self.batch.list_namespaced_job, (self.namespace,)
         w = watch.Watch()
         try:
-            for event in w.stream(fn, *args, field_selector=f"metadata.name={name}", timeout_seconds=timeout_s,
-                                  deserialize=False):  # fmt: skip
+            for event in w.stream(
+                fn, *args, field_selector=f"metadata.name={name}", timeout_seconds=timeout_s, deserialize=False
+            ):
                 obj = event.get("raw_object") or event.get("object")
                 if isinstance(obj, str):
                     obj = json.loads(obj)
@@ -147,8 +163,9 @@ class Kube:
     def follow_log(self, pod: str, container: str, since_start: bool = True) -> Iterator[bytes]:
         """The container's output as it is written, until the container ends (or the stream breaks)."""
         try:
-            resp = self.core.read_namespaced_pod_log(pod, self.namespace, container=container, follow=True,
-                                                     _preload_content=False)  # fmt: skip
+            resp = self.core.read_namespaced_pod_log(
+                pod, self.namespace, container=container, follow=True, _preload_content=False
+            )
         except ApiException as exc:
             raise _error(exc) from None
         try:
@@ -158,8 +175,9 @@ class Kube:
 
     def log_tail(self, pod: str, container: str, lines: int) -> str:
         try:
-            resp = self.core.read_namespaced_pod_log(pod, self.namespace, container=container, tail_lines=lines,
-                                                     _preload_content=False)  # fmt: skip
+            resp = self.core.read_namespaced_pod_log(
+                pod, self.namespace, container=container, tail_lines=lines, _preload_content=False
+            )
         except ApiException as exc:
             raise _error(exc) from None
         return resp.data.decode(errors="replace")

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainers.contract import FATAL, INTERRUPTED, OK, RETRYABLE
+from trainers.contract import FATAL, INTERRUPTED, RETRYABLE
 
 Cause = Literal["done", "disruption", "failure", "fatal"]
 
@@ -90,9 +90,15 @@ def pod_failure(pod: dict, container: str) -> PodFailure | None:
     if terminated:
         code = int(terminated.get("exitCode", 0))
         if terminated.get("reason") == "OOMKilled":
-            return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: container {container} was OOMKilled (memory "
-                              f"limit {_limit(pod, container, 'memory')}); raise compute.kubernetes.memory or "
-                              f"lower train.device_microbatch_size")  # fmt: skip
+            return PodFailure(
+                name,
+                uid,
+                "fatal",
+                FATAL,
+                f"pod {name}: container {container} was OOMKilled (memory "
+                f"limit {_limit(pod, container, 'memory')}); raise compute.kubernetes.memory or "
+                f"lower train.device_microbatch_size",
+            )
         if code == FATAL:
             return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: the trainer exited {FATAL} (fatal)")
         if code != 0:

@@ -67,8 +67,18 @@ class KubernetesJob:
     watch_s = 2  # a watch request's length: how often pods and timeouts are looked at without a group event
     delete_wait_s = 120.0  # how long cancel waits for the pods of a deleted group to be gone
 
-    def __init__(self, kube: Kube, compute: ComputeConfig, work: Workload, objects: list[dict], container: str,
-                 log_path: Path, *, recreate: bool, created: bool):  # fmt: skip
+    def __init__(
+        self,
+        kube: Kube,
+        compute: ComputeConfig,
+        work: Workload,
+        objects: list[dict],
+        container: str,
+        log_path: Path,
+        *,
+        recreate: bool,
+        created: bool,
+    ):
         self.kube, self.compute, self.work, self.objects = kube, compute, work, objects
         self.cfg: KubernetesConfig = compute.kubernetes
         self.group = objects[-1]  # the JobSet or Job; ConfigMap and Service come first
@@ -200,14 +210,22 @@ class KubernetesJob:
                 return Outcome(FATAL, "fatal", f"pod {name} cannot start: {stuck[0]}: {stuck[1]}".rstrip(": "))
             if stuck and stuck[0] in IMAGE_PULL:
                 if self._stuck(uid, "pull", now) > self.cfg.image_pull_timeout_s:
-                    return Outcome(RETRYABLE, "failure", f"pod {name}: image {self.cfg.image} not pulled in "
-                                   f"{self.cfg.image_pull_timeout_s:.0f}s: {stuck[0]}: {stuck[1]}".rstrip(": "))  # fmt: skip
+                    return Outcome(
+                        RETRYABLE,
+                        "failure",
+                        f"pod {name}: image {self.cfg.image} not pulled in "
+                        f"{self.cfg.image_pull_timeout_s:.0f}s: {stuck[0]}: {stuck[1]}".rstrip(": "),
+                    )
             message = unschedulable(pod)
             if message is not None and self._stuck(uid, "pending", now) > self.cfg.pending_timeout_s:
                 events = self.kube.list("Event", field_selector=f"involvedObject.name={name}")
                 message = scheduler_message(events) or message
-                return Outcome(FATAL, "fatal", f"pod {name} unschedulable for {self.cfg.pending_timeout_s:.0f}s "
-                               f"(compute.kubernetes.pending_timeout_s): {message}")  # fmt: skip
+                return Outcome(
+                    FATAL,
+                    "fatal",
+                    f"pod {name} unschedulable for {self.cfg.pending_timeout_s:.0f}s "
+                    f"(compute.kubernetes.pending_timeout_s): {message}",
+                )
         if self.kind == "JobSet":
             return self._judge_jobset(group, now)
         return self._judge_job(group)
@@ -227,8 +245,10 @@ class KubernetesJob:
             self._restarts_seen = 0 if self.created else restarts
         if restarts > self._restarts_seen:
             last = list(self._failures.values())[-1].message if self._failures else "no pod failure was seen"
-            self._line(f"{self._what()} restarted the whole group (restart {restarts}: {counted} of "
-                       f"max_restarts={self.cfg.max_restarts} counted, {restarts - counted} disruptions); {last}")  # fmt: skip
+            self._line(
+                f"{self._what()} restarted the whole group (restart {restarts}: {counted} of "
+                f"max_restarts={self.cfg.max_restarts} counted, {restarts - counted} disruptions); {last}"
+            )
             self._restarts_seen = restarts
             self._failures.clear()
             self._since.clear()
@@ -238,13 +258,21 @@ class KubernetesJob:
         if failed:
             return explain_end(self._attempt_failures(), self._what(), failed)
         if self.preemptions > self.compute.max_preemptions:
-            return Outcome(INTERRUPTED, "disruption", f"{self._what()}: restarts exhausted on evictions "
-                           f"({self.preemptions} > compute.max_preemptions={self.compute.max_preemptions})")  # fmt: skip
+            return Outcome(
+                INTERRUPTED,
+                "disruption",
+                f"{self._what()}: restarts exhausted on evictions "
+                f"({self.preemptions} > compute.max_preemptions={self.compute.max_preemptions})",
+            )
         suspended = condition(js, "Suspended")
         if suspended and self._stuck(self.name, "suspended", now) > self.cfg.pending_timeout_s:
             queue = f" in queue {self.cfg.queue_name}" if self.cfg.queue_name else ""
-            return Outcome(FATAL, "fatal", f"{self._what()} suspended for {self.cfg.pending_timeout_s:.0f}s, not "
-                           f"admitted{queue}: {suspended.get('message', '')}".rstrip(": "))  # fmt: skip
+            return Outcome(
+                FATAL,
+                "fatal",
+                f"{self._what()} suspended for {self.cfg.pending_timeout_s:.0f}s, not "
+                f"admitted{queue}: {suspended.get('message', '')}".rstrip(": "),
+            )
         if not suspended:
             self._since.pop((self.name, "suspended"), None)
         return None
@@ -264,11 +292,17 @@ class KubernetesJob:
             self.restarts += 1
         else:
             if outcome.cause == "disruption":
-                return Outcome(outcome.code, outcome.cause, f"{outcome.message}; restarts exhausted on evictions "
-                               f"(compute.max_preemptions={self.compute.max_preemptions})")  # fmt: skip
+                return Outcome(
+                    outcome.code,
+                    outcome.cause,
+                    f"{outcome.message}; restarts exhausted on evictions "
+                    f"(compute.max_preemptions={self.compute.max_preemptions})",
+                )
             return outcome
-        self._line(f"{outcome.message}; deleting and recreating the whole group (restart {self.restarts} of "
-                   f"max_restarts={self.cfg.max_restarts}, {self.preemptions} disruptions)")  # fmt: skip
+        self._line(
+            f"{outcome.message}; deleting and recreating the whole group (restart {self.restarts} of "
+            f"max_restarts={self.cfg.max_restarts}, {self.preemptions} disruptions)"
+        )
         self._recreate()
         return None
 
@@ -322,8 +356,11 @@ class KubernetesJob:
             f.write(data)
 
     def _pod0(self) -> dict | None:
-        pods = [p for p in self._pods()
-                if (p["metadata"].get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION, "0") == "0"]  # fmt: skip
+        pods = [
+            p
+            for p in self._pods()
+            if (p["metadata"].get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION, "0") == "0"
+        ]
         started = [p for p in pods if (p.get("status") or {}).get("phase") in ("Running", "Succeeded", "Failed")]
         return max(started, key=lambda p: p["metadata"].get("creationTimestamp", ""), default=None)
 
@@ -399,8 +436,9 @@ class KubernetesBackend:
             self._kube = Kube(self.cfg.namespace)
         return self._kube
 
-    def launch(self, module: str, args: Sequence[str], *, log_dir: Path,
-               env: Mapping[str, str] | None = None) -> KubernetesJob:  # fmt: skip
+    def launch(
+        self, module: str, args: Sequence[str], *, log_dir: Path, env: Mapping[str, str] | None = None
+    ) -> KubernetesJob:
         """A training stage: `args` name the job file (--job, shipped as a ConfigMap) and the stage (--stage)."""
         job_json = Path(_option(args, "--job")).read_text()
         stage = int(_option(args, "--stage"))
@@ -410,15 +448,28 @@ class KubernetesBackend:
         def build(work: Workload) -> list[dict]:
             return stage_manifests(self.cfg, work, self.compute.ranks_per_node, module, pod_args, job_json, env or {})
 
-        return self._start(Workload(run, "train", stage=stage), build, TRAIN_CONTAINER, log_dir,
-                           recreate=self.cfg.api == "indexed-job")  # fmt: skip
+        return self._start(
+            Workload(run, "train", stage=stage), build, TRAIN_CONTAINER, log_dir, recreate=self.cfg.api == "indexed-job"
+        )
 
-    def launch_one(self, module: str, args: Sequence[str], *, run: str, tokens: int, log_dir: Path,
-                   env: Mapping[str, str] | None = None) -> KubernetesJob:  # fmt: skip
+    def launch_one(
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        run: str,
+        tokens: int,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> KubernetesJob:
         """One pod running `python -m module args` (a checkpoint's evaluation); no restarts of its own."""
-        return self._start(Workload(run, "eval", tokens=tokens),
-                           lambda work: [eval_job(self.cfg, work, module, args, env or {})], EVAL_CONTAINER, log_dir,
-                           recreate=False)  # fmt: skip
+        return self._start(
+            Workload(run, "eval", tokens=tokens),
+            lambda work: [eval_job(self.cfg, work, module, args, env or {})],
+            EVAL_CONTAINER,
+            log_dir,
+            recreate=False,
+        )
 
     def _start(self, unit: Workload, build, container: str, log_dir: Path, *, recreate: bool) -> KubernetesJob:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -432,10 +483,20 @@ class KubernetesBackend:
             for obj in found:
                 if _is_live(obj):  # re-attach: this run's stage is already training
                     work = Workload(**{**unit.__dict__, "attempt": int(obj["metadata"]["labels"][LABEL_ATTEMPT])})
-                    job = KubernetesJob(self.kube, self.compute, work, build(work), container, log_path,
-                                        recreate=recreate, created=False)  # fmt: skip
-                    job._line(f"re-attached to the live {kind} {obj['metadata']['name']} (attempt {work.attempt}) "
-                              f"instead of creating another")  # fmt: skip
+                    job = KubernetesJob(
+                        self.kube,
+                        self.compute,
+                        work,
+                        build(work),
+                        container,
+                        log_path,
+                        recreate=recreate,
+                        created=False,
+                    )
+                    job._line(
+                        f"re-attached to the live {kind} {obj['metadata']['name']} (attempt {work.attempt}) "
+                        f"instead of creating another"
+                    )
                     live.add(job)
                     self._next_attempt[key] = work.attempt + 1
                     return job.start()
@@ -444,8 +505,9 @@ class KubernetesBackend:
             work = Workload(**{**unit.__dict__, "attempt": attempt})
             self._next_attempt[key] = attempt + 1
             objects = build(work)
-            job = KubernetesJob(self.kube, self.compute, work, objects, container, log_path, recreate=recreate,
-                                created=True)  # fmt: skip
+            job = KubernetesJob(
+                self.kube, self.compute, work, objects, container, log_path, recreate=recreate, created=True
+            )
             try:
                 for obj in objects:
                     self.kube.create(obj)
@@ -480,8 +542,10 @@ def _refusal(obj: dict, exc: KubeError) -> str:
     """One line for a create the API server refused: an invalid spec, missing RBAC, a missing CRD."""
     what = f"{obj['kind']} {obj['metadata']['name']}"
     if exc.status == 404 and obj["kind"] == "JobSet":
-        return (f"cannot create {what}: the JobSet API (jobset.x-k8s.io/v1alpha2) is not installed in this cluster; "
-                f"install JobSet (docs/KUBERNETES.md) or set compute.kubernetes.api: indexed-job")  # fmt: skip
+        return (
+            f"cannot create {what}: the JobSet API (jobset.x-k8s.io/v1alpha2) is not installed in this cluster; "
+            f"install JobSet (docs/KUBERNETES.md) or set compute.kubernetes.api: indexed-job"
+        )
     if exc.status == 403:
         return f"cannot create {what}: forbidden ({exc.message}); apply infra/k8s/rbac.yaml to the flow's account"
     return f"cannot create {what}: invalid spec: {exc.message}"

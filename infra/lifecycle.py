@@ -6,8 +6,9 @@ Both backends register their jobs here; `cancel_all` is what a failing or cancel
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Protocol
 
 
 class StoppableJob(Protocol):

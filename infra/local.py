@@ -107,13 +107,20 @@ class LocalBackend:
 
     def command(self, module: str, args: Sequence[str], log_dir: Path) -> list[str]:
         return [
-            sys.executable, "-m", "composer.cli.launcher",
-            "-n", str(self.cfg.ranks_per_node),
+            sys.executable,
+            "-m",
+            "composer.cli.launcher",
+            "-n",
+            str(self.cfg.ranks_per_node),
             # rank 0 goes to the job log; other ranks get their own files instead of being discarded
-            "--stdout", str(log_dir / "rank{rank}.stdout.log"),
-            "--stderr", str(log_dir / "rank{rank}.stderr.log"),
-            "-m", module, *args,
-        ]  # fmt: skip
+            "--stdout",
+            str(log_dir / "rank{rank}.stdout.log"),
+            "--stderr",
+            str(log_dir / "rank{rank}.stderr.log"),
+            "-m",
+            module,
+            *args,
+        ]
 
     def launch(
         self, module: str, args: Sequence[str], *, log_dir: Path, env: Mapping[str, str] | None = None

@@ -36,7 +36,10 @@ CACHE_DIR = "/var/cache/tessera"
 TRAIN_CONTAINER, EVAL_CONTAINER = "trainer", "evaluator"
 
 LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY = (
-    "app.kubernetes.io/name", "app.kubernetes.io/component", "app.kubernetes.io/managed-by")  # fmt: skip
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+)
 LABEL_RUN, LABEL_STAGE, LABEL_ATTEMPT = "tessera.dev/run", "tessera.dev/stage", "tessera.dev/attempt"
 ANNOTATION_RUN = "tessera.dev/run-name"  # the run name as written (a label value may be a slug of it)
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -85,8 +88,12 @@ class Workload:
     def selector(self, with_attempt: bool = False) -> dict[str, str]:
         """Labels every object of this unit carries (with_attempt: of this very launch)."""
         unit = str(self.stage) if self.component == "train" else f"tok-{self.tokens}"
-        labels = {LABEL_NAME: "tessera", LABEL_COMPONENT: self.component, LABEL_RUN: label_value(self.run),
-                  LABEL_STAGE: unit}  # fmt: skip
+        labels = {
+            LABEL_NAME: "tessera",
+            LABEL_COMPONENT: self.component,
+            LABEL_RUN: label_value(self.run),
+            LABEL_STAGE: unit,
+        }
         if with_attempt:
             labels[LABEL_ATTEMPT] = str(self.attempt)
         return labels
@@ -126,11 +133,24 @@ def train_command(cfg: KubernetesConfig, ranks_per_node: int, module: str, args:
     added to every container of an Indexed Job by the Job controller.
     """
     return [
-        "python", "-m", "infra.pod_launch",
-        "composer", "-n", str(ranks_per_node), "--world_size", str(cfg.nodes * ranks_per_node),
-        "--node_rank", "$(JOB_COMPLETION_INDEX)", "--master_addr", f"$({MASTER_ADDR_ENV})",
-        "--master_port", str(cfg.master_port), "-m", module, *args,
-    ]  # fmt: skip
+        "python",
+        "-m",
+        "infra.pod_launch",
+        "composer",
+        "-n",
+        str(ranks_per_node),
+        "--world_size",
+        str(cfg.nodes * ranks_per_node),
+        "--node_rank",
+        "$(JOB_COMPLETION_INDEX)",
+        "--master_addr",
+        f"$({MASTER_ADDR_ENV})",
+        "--master_port",
+        str(cfg.master_port),
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def _env(cfg: KubernetesConfig, extra: Mapping[str, str]) -> tuple[list[dict], list[dict]]:
@@ -144,8 +164,10 @@ def _env(cfg: KubernetesConfig, extra: Mapping[str, str]) -> tuple[list[dict], l
         if ref is None:
             continue
         if ref.keys:
-            env += [{"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": key}}}
-                    for var, key in ref.keys.items()]  # fmt: skip
+            env += [
+                {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": key}}}
+                for var, key in ref.keys.items()
+            ]
         else:
             env_from.append({"secretRef": {"name": ref.name}})
     return env, env_from
@@ -163,9 +185,18 @@ def _resources(cfg: KubernetesConfig, gpus: int, cpu: str | None, memory: str | 
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
-def pod_spec(cfg: KubernetesConfig, *, container: str, command: PodCommand, gpus: int, cpu: str | None,
-             memory: str | None, job_config_map: str | None = None, subdomain: str | None = None,
-             ports: Sequence[int] = ()) -> dict:  # fmt: skip
+def pod_spec(
+    cfg: KubernetesConfig,
+    *,
+    container: str,
+    command: PodCommand,
+    gpus: int,
+    cpu: str | None,
+    memory: str | None,
+    job_config_map: str | None = None,
+    subdomain: str | None = None,
+    ports: Sequence[int] = (),
+) -> dict:
     """A pod that runs `command` as a non-root user with nothing it does not need."""
     env, env_from = _env(cfg, command.env)
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": WORK_DIR}]
@@ -178,8 +209,11 @@ def pod_spec(cfg: KubernetesConfig, *, container: str, command: PodCommand, gpus
         volumes.append({"name": "job", "configMap": {"name": job_config_map}})
     if cfg.cache is not None:
         mounts.append({"name": "cache", "mountPath": CACHE_DIR})
-        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": cfg.cache.claim_name}}
-                       if cfg.cache.claim_name else {"name": "cache", "emptyDir": {"sizeLimit": cfg.cache.size}})  # fmt: skip
+        volumes.append(
+            {"name": "cache", "persistentVolumeClaim": {"claimName": cfg.cache.claim_name}}
+            if cfg.cache.claim_name
+            else {"name": "cache", "emptyDir": {"sizeLimit": cfg.cache.size}}
+        )
     main = {
         "name": container,
         "image": cfg.image,
@@ -212,7 +246,8 @@ def pod_spec(cfg: KubernetesConfig, *, container: str, command: PodCommand, gpus
         "nodeSelector": dict(cfg.node_selector) or None,
         "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in cfg.tolerations] or None,
         "affinity": cfg.affinity.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
-        if cfg.affinity else None,
+        if cfg.affinity
+        else None,
         "priorityClassName": cfg.priority_class_name,
         "serviceAccountName": cfg.service_account_name,
         "imagePullSecrets": [{"name": n} for n in cfg.image_pull_secrets] or None,
@@ -224,22 +259,32 @@ def pod_spec(cfg: KubernetesConfig, *, container: str, command: PodCommand, gpus
 def _pod_failure_policy(container: str) -> dict:
     """Fail the Job at once on the fatal exit code and on a disruption, so the group's owner decides
     (with the Job's failure message naming which) instead of the Job replacing one pod of a gang."""
-    return {"rules": [
-        {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In", "values": [FATAL_EXIT]}},
-        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-    ]}  # fmt: skip
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": container, "operator": "In", "values": [FATAL_EXIT]},
+            },
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]
+    }
 
 
 def _metadata(cfg: KubernetesConfig, work: Workload, name: str | None = None, queue: bool = False) -> dict:
     labels = dict(work.labels)
     if queue and cfg.queue_name:
         labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
-    return {"name": name or work.name, "namespace": cfg.namespace, "labels": labels,
-            "annotations": {ANNOTATION_RUN: work.run}}  # fmt: skip
+    return {
+        "name": name or work.name,
+        "namespace": cfg.namespace,
+        "labels": labels,
+        "annotations": {ANNOTATION_RUN: work.run},
+    }
 
 
-def _indexed_job_spec(cfg: KubernetesConfig, work: Workload, command: PodCommand, ranks_per_node: int,
-                      subdomain: str | None) -> dict:  # fmt: skip
+def _indexed_job_spec(
+    cfg: KubernetesConfig, work: Workload, command: PodCommand, ranks_per_node: int, subdomain: str | None
+) -> dict:
     return {
         "completionMode": "Indexed",
         "completions": cfg.nodes,
@@ -248,17 +293,27 @@ def _indexed_job_spec(cfg: KubernetesConfig, work: Workload, command: PodCommand
         "podFailurePolicy": _pod_failure_policy(TRAIN_CONTAINER),
         "template": {
             "metadata": {"labels": dict(work.labels), "annotations": {ANNOTATION_RUN: work.run}},
-            "spec": pod_spec(cfg, container=TRAIN_CONTAINER, command=command, gpus=cfg.gpus_per_node, cpu=cfg.cpu,
-                             memory=cfg.memory, job_config_map=work.name, subdomain=subdomain,
-                             ports=[cfg.master_port]),  # fmt: skip
+            "spec": pod_spec(
+                cfg,
+                container=TRAIN_CONTAINER,
+                command=command,
+                gpus=cfg.gpus_per_node,
+                cpu=cfg.cpu,
+                memory=cfg.memory,
+                job_config_map=work.name,
+                subdomain=subdomain,
+                ports=[cfg.master_port],
+            ),
         },
     }
 
 
-def _train_command(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str],
-                   env: Mapping[str, str]) -> PodCommand:  # fmt: skip
-    return PodCommand(train_command(cfg, ranks_per_node, module, args),
-                      {MASTER_ADDR_ENV: pod0_address(cfg, work), **env})  # fmt: skip
+def _train_command(
+    cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str], env: Mapping[str, str]
+) -> PodCommand:
+    return PodCommand(
+        train_command(cfg, ranks_per_node, module, args), {MASTER_ADDR_ENV: pod0_address(cfg, work), **env}
+    )
 
 
 def job_config_map(cfg: KubernetesConfig, work: Workload, job_json: str) -> dict:
@@ -266,8 +321,14 @@ def job_config_map(cfg: KubernetesConfig, work: Workload, job_json: str) -> dict
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cfg, work), "data": {JOB_FILE: job_json}}
 
 
-def jobset(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str],
-           env: Mapping[str, str] = {}) -> dict:  # fmt: skip
+def jobset(
+    cfg: KubernetesConfig,
+    work: Workload,
+    ranks_per_node: int,
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str] = {},
+) -> dict:
     """One replicated job `node` (an Indexed Job of `nodes` pods), restarted as a whole group."""
     command = _train_command(cfg, work, ranks_per_node, module, args, env)
     return {
@@ -282,26 +343,42 @@ def jobset(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: s
                 # every pod of the old group is gone before the new group starts: no stale rank joins
                 "restartStrategy": "BlockingRecreate",
                 "rules": [
-                    {"name": "FatalExitCode", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
-                     "onJobFailureMessagePatterns": [FATAL_MESSAGE]},
-                    {"name": "Disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
-                     "onJobFailureReasons": ["PodFailurePolicy"], "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE]},
+                    {
+                        "name": "FatalExitCode",
+                        "action": "FailJobSet",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                        "onJobFailureMessagePatterns": [FATAL_MESSAGE],
+                    },
+                    {
+                        "name": "Disruption",
+                        "action": "RestartJobSetAndIgnoreMaxRestarts",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                        "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE],
+                    },
                 ],  # anything else: RestartJobSet, counted against maxRestarts
-            },  # fmt: skip
-            "replicatedJobs": [{
-                "name": REPLICATED_JOB,
-                "replicas": 1,
-                "template": {
-                    "metadata": {"labels": dict(work.labels)},
-                    "spec": _indexed_job_spec(cfg, work, command, ranks_per_node, subdomain=None),
-                },
-            }],  # fmt: skip
+            },
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": {
+                        "metadata": {"labels": dict(work.labels)},
+                        "spec": _indexed_job_spec(cfg, work, command, ranks_per_node, subdomain=None),
+                    },
+                }
+            ],
         },
     }
 
 
-def indexed_job(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str],
-                env: Mapping[str, str] = {}) -> dict:  # fmt: skip
+def indexed_job(
+    cfg: KubernetesConfig,
+    work: Workload,
+    ranks_per_node: int,
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str] = {},
+) -> dict:
     """The fallback without operators: an Indexed Job whose pods find pod 0 through headless_service."""
     command = _train_command(cfg, work, ranks_per_node, module, args, env)
     return {
@@ -328,8 +405,9 @@ def headless_service(cfg: KubernetesConfig, work: Workload) -> dict:
     }
 
 
-def eval_job(cfg: KubernetesConfig, work: Workload, module: str, args: Sequence[str],
-             env: Mapping[str, str] = {}) -> dict:  # fmt: skip
+def eval_job(
+    cfg: KubernetesConfig, work: Workload, module: str, args: Sequence[str], env: Mapping[str, str] = {}
+) -> dict:
     """One pod that scores one checkpoint; Prefect's task retries are its restarts."""
     command = PodCommand(["python", "-m", module, *args], env)
     return {
@@ -343,8 +421,14 @@ def eval_job(cfg: KubernetesConfig, work: Workload, module: str, args: Sequence[
             "podFailurePolicy": _pod_failure_policy(EVAL_CONTAINER),
             "template": {
                 "metadata": {"labels": dict(work.labels), "annotations": {ANNOTATION_RUN: work.run}},
-                "spec": pod_spec(cfg, container=EVAL_CONTAINER, command=command, gpus=cfg.eval_gpus,
-                                 cpu=cfg.eval_cpu, memory=cfg.eval_memory),  # fmt: skip
+                "spec": pod_spec(
+                    cfg,
+                    container=EVAL_CONTAINER,
+                    command=command,
+                    gpus=cfg.eval_gpus,
+                    cpu=cfg.eval_cpu,
+                    memory=cfg.eval_memory,
+                ),
             },
         },
     }
@@ -364,8 +448,15 @@ def pod_job_file(job_json: str, cfg: KubernetesConfig) -> str:
     return json.dumps(job, indent=2)
 
 
-def stage_manifests(cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str],
-                    job_json: str, env: Mapping[str, str] = {}) -> list[dict]:  # fmt: skip
+def stage_manifests(
+    cfg: KubernetesConfig,
+    work: Workload,
+    ranks_per_node: int,
+    module: str,
+    args: Sequence[str],
+    job_json: str,
+    env: Mapping[str, str] = {},
+) -> list[dict]:
     """Every object of one training launch, in creation order."""
     config_map = job_config_map(cfg, work, pod_job_file(job_json, cfg))
     if cfg.api == "jobset":

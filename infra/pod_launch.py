@@ -10,7 +10,6 @@ launcher, which stops its ranks (they exit 76, "stopped from outside"). Standard
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -56,12 +56,15 @@ def describe(record: dict, aliases: list[str], history: list[dict] | None = None
     score = record.get("gauntlet_average")
     lines = [
         f"Run {record.get('run', '?')}, stage {record.get('stage', '?')}, {int(record.get('tokens', 0)):,} tokens"
-        + (f", continued from {record['continued_from']}" if record.get("continued_from") else "") + ".",
+        + (f", continued from {record['continued_from']}" if record.get("continued_from") else "")
+        + ".",
         f"{headline} {float(score):.4f} on gauntlet {record.get('gauntlet_hash', '?')}." if score else "Not scored.",
     ]
     if record.get("storage"):
-        lines.append(f"Stored {'by reference at ' if record['storage'] == 'reference' else 'in the run at '}"
-                     f"{record.get('model_uri', '?')}.")  # fmt: skip
+        lines.append(
+            f"Stored {'by reference at ' if record['storage'] == 'reference' else 'in the run at '}"
+            f"{record.get('model_uri', '?')}."
+        )
     if record.get("checkpoint"):
         lines.append(f"Training checkpoint (weights and optimizer state): {record['checkpoint']}.")
     if aliases:
@@ -106,8 +109,10 @@ def recorded_aliases(model) -> dict[str, str] | None:
 
 def record_started() -> dict[str, str]:
     """The tag that starts the record, for a model created by tessera (its aliases are all tessera's from then)."""
-    return {RECORD_TAG: f"recorded since {now()[1]}: the version tessera set each alias to is the tag "
-                        f"{ALIAS_TAG_PREFIX}<alias>"}  # fmt: skip
+    return {
+        RECORD_TAG: f"recorded since {now()[1]}: the version tessera set each alias to is the tag "
+        f"{ALIAS_TAG_PREFIX}<alias>"
+    }
 
 
 def _record(client, name: str, alias: str, version: str | None) -> None:
@@ -149,8 +154,10 @@ def _outside_move(client, name: str, alias: str, old: str | None, new: str | Non
         # tessera computes latest-checkpoint and best itself (and moves them back at the next registration)
         if version == new and alias not in (LATEST_ALIAS, BEST_ALIAS):
             since = f"{alias} since {at[:10]}: " if alias == CHAMPION_ALIAS else ""
-            entry["why"] = {alias: f"{since}moved here {'from v' + old + ' ' if old else ''}outside tessera "
-                                   f"(MLflow UI or API), {detected}; no rule applied"}  # fmt: skip
+            entry["why"] = {
+                alias: f"{since}moved here {'from v' + old + ' ' if old else ''}outside tessera "
+                f"(MLflow UI or API), {detected}; no rule applied"
+            }
         append_decision(client, name, version, entry)
         if alias == CHAMPION_ALIAS:
             client.set_model_version_tag(name, version, "promotion", OUTSIDE)
@@ -198,8 +205,10 @@ def reconcile_registry(tracking, observer: str) -> list[str]:
     from tasks.mlflow_run import client_for, retrying
 
     client = client_for(tracking)
-    return retrying("recording alias moves made outside tessera",
-                    lambda: reconcile_aliases(client, tracking.registered_model, observer))  # fmt: skip
+    return retrying(
+        "recording alias moves made outside tessera",
+        lambda: reconcile_aliases(client, tracking.registered_model, observer),
+    )
 
 
 def set_aliases(client, name: str, moves: dict[str, str], observer: str = "tessera") -> None:

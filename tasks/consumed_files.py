@@ -52,8 +52,11 @@ def list_inputs(new_data: str) -> list[Consumed]:
                 return []
             raise
     elif os.path.isdir(new_data):
-        names = sorted(str(p) for p in Path(new_data).rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(new_data).parts))  # fmt: skip
+        names = sorted(
+            str(p)
+            for p in Path(new_data).rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(new_data).parts)
+        )
         refs = storage.expand(names) if names else []
     elif any(c in new_data for c in "*?["):
         try:
@@ -64,8 +67,12 @@ def list_inputs(new_data: str) -> list[Consumed]:
         refs = storage.expand([new_data])
     else:
         raise DataError(new_data, f"new data: no such directory, file or glob (resolved against {os.getcwd()})")
-    return [Consumed(path=str(Path(r.path).resolve()) if not storage.is_s3(r.path) else r.path, size=r.size,
-                     version=r.version) for r in refs]  # fmt: skip
+    return [
+        Consumed(
+            path=str(Path(r.path).resolve()) if not storage.is_s3(r.path) else r.path, size=r.size, version=r.version
+        )
+        for r in refs
+    ]
 
 
 def _client(tracking: TrackingConfig):
@@ -111,5 +118,6 @@ def record(tracking: TrackingConfig, run_id: str, files: list[Consumed]) -> None
     with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
         path = Path(tmp) / Path(LEDGER_ARTIFACT).name
         path.write_text(json.dumps([f.model_dump() for f in files], indent=1))
-        retrying("logging the data ledger", lambda: client.log_artifact(run_id, str(path),
-                                                                        str(Path(LEDGER_ARTIFACT).parent)))  # fmt: skip
+        retrying(
+            "logging the data ledger", lambda: client.log_artifact(run_id, str(path), str(Path(LEDGER_ARTIFACT).parent))
+        )

@@ -62,9 +62,21 @@ def default_run_name(recipe_name: str, version: str, files: list[Consumed]) -> s
     return f"{recipe_name}-cpt-v{version}-{digest.hexdigest()[:8]}"
 
 
-def derive(raw: dict, *, base_uri: str, checkpoint: str | None, source: dict, tokenizer: dict, budget: int,
-           replay_fraction: float, rewarm_fraction: float, lr: float | None, schedule: str,
-           min_gain: float | None, max_category_drop: float | None) -> dict:  # fmt: skip
+def derive(
+    raw: dict,
+    *,
+    base_uri: str,
+    checkpoint: str | None,
+    source: dict,
+    tokenizer: dict,
+    budget: int,
+    replay_fraction: float,
+    rewarm_fraction: float,
+    lr: float | None,
+    schedule: str,
+    min_gain: float | None,
+    max_category_drop: float | None,
+) -> dict:
     """The continued run's recipe (raw): one stage over the new source plus replay of the last stage's mixture,
     from the base's weights (and its checkpoint's optimizer state), LR rewarmed then decayed over `budget`."""
     raw = json.loads(json.dumps(raw))  # a copy: the caller's recipe stays as it was
@@ -76,8 +88,12 @@ def derive(raw: dict, *, base_uri: str, checkpoint: str | None, source: dict, to
         mixture |= {name: replay_fraction * share for name, share in raw["train"]["stages"][-1]["mixture"].items()}
     rewarm = int(budget * rewarm_fraction) // per_step * per_step
     raw["train"]["stages"] = [{"name": "continued", "tokens": budget, "mixture": mixture}]
-    raw["train"]["optim"] |= {"lr": lr or raw["train"]["optim"]["lr"], "warmup_tokens": rewarm, "schedule": schedule,
-                              "decay_tokens": budget}  # fmt: skip
+    raw["train"]["optim"] |= {
+        "lr": lr or raw["train"]["optim"]["lr"],
+        "warmup_tokens": rewarm,
+        "schedule": schedule,
+        "decay_tokens": budget,
+    }
     raw["model"]["init_from"] = base_uri
     raw["train"]["init_optimizer_from"] = checkpoint or None
     raw["eval"]["every"] = min(raw["eval"]["every"], budget)  # at least the stage end is evaluated either way

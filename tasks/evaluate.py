@@ -19,8 +19,8 @@ from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
 from infra.config import ComputeConfig
 from tasks.artifacts import artifact_key
-from tasks.retry import retry_unless
 from tasks.mlflow_run import resolved_uri, retrying
+from tasks.retry import retry_unless
 from tasks.tracking_config import TrackingConfig
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.format.mlflow_model import model_uri_for
@@ -37,7 +37,9 @@ class EvalSummary(BaseModel):
     model_uri: str | None = Field(
         None, description="The checkpoint already packaged as an MLflow Model at this URI (by an evaluation pod)."
     )
-    gauntlet_hash: str = Field("", description="Identity of the gauntlet that produced the scores (evaluation.identity).")
+    gauntlet_hash: str = Field(
+        "", description="Identity of the gauntlet that produced the scores (evaluation.identity)."
+    )
     metrics: dict[str, float] = Field(..., description="icl/<task>/<n>-shot, gauntlet/<category>, gauntlet/<average>.")
     report_json: str | None = Field(None, description="Run-relative artifact path of the report JSON.")
     report_html: str | None = Field(None, description="Run-relative artifact path of the HTML report.")
@@ -58,16 +60,20 @@ retry_unless_bad_input = retry_unless(GauntletError)
     task_run_name="evaluate-tok-{checkpoint.tokens}",
 )
 def evaluate_checkpoint(
-    checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str, max_seq_len: int,
-    run_name: str = "", compute: ComputeConfig | None = None,
+    checkpoint: CheckpointInfo,
+    cfg: EvalConfig,
+    tracking: TrackingConfig,
+    run_id: str,
+    max_seq_len: int,
+    run_name: str = "",
+    compute: ComputeConfig | None = None,
 ) -> EvalSummary:
     if compute is not None and compute.backend == "kubernetes":
         return _evaluate_in_pod(checkpoint, cfg, tracking, run_id, max_seq_len, run_name, compute)
+    from evaluation.identity import gauntlet_hash
+    from evaluation.mlflow_report import log_report
     from evaluation.models import check_checkpoint, load_model
     from evaluation.runner import run_gauntlet
-    from evaluation.mlflow_report import log_report
-
-    from evaluation.identity import gauntlet_hash
 
     logger = get_run_logger()
     check_checkpoint(checkpoint.path, checkpoint.sha256)
@@ -77,9 +83,10 @@ def evaluate_checkpoint(
     stamp = int(time.time() * 1000)  # one timestamp for every attempt: a retried log adds no duplicate points
     paths = retrying(
         f"logging the gauntlet at {checkpoint.tokens} tokens",
-        lambda: log_report(resolved_uri(tracking.tracking_uri), run_id, report, step=checkpoint.tokens, title=title,
-                           timestamp_ms=stamp),
-    )  # fmt: skip
+        lambda: log_report(
+            resolved_uri(tracking.tracking_uri), run_id, report, step=checkpoint.tokens, title=title, timestamp_ms=stamp
+        ),
+    )
     create_markdown_artifact(
         key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
         markdown=report.to_markdown(title),
@@ -104,16 +111,37 @@ def evaluate_checkpoint(
 EVAL_PODS_LIMIT = "tessera-eval-pods"  # Prefect global concurrency limit: evaluation pods running at once
 
 
-def pod_args(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str,
-             max_seq_len: int) -> list[str]:  # fmt: skip
+def pod_args(
+    checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str, max_seq_len: int
+) -> list[str]:
     """`python -m evaluation`'s arguments for one checkpoint: what the in-process task would do, in a pod."""
-    args = ["--checkpoint", checkpoint.path, "--tasks", cfg.tasks, "--data-root", cfg.data_root,
-            "--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed), "--context-len", str(max_seq_len),
-            "--tracking-uri", resolved_uri(tracking.tracking_uri), "--run-id", run_id,
-            "--step", str(checkpoint.tokens), "--stage", checkpoint.stage,
-            "--timestamp-ms", str(int(time.time() * 1000)),
-            # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
-            "--package-to", model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens)]  # fmt: skip
+    args = [
+        "--checkpoint",
+        checkpoint.path,
+        "--tasks",
+        cfg.tasks,
+        "--data-root",
+        cfg.data_root,
+        "--batch-size",
+        str(cfg.batch_size),
+        "--seed",
+        str(cfg.seed),
+        "--context-len",
+        str(max_seq_len),
+        "--tracking-uri",
+        resolved_uri(tracking.tracking_uri),
+        "--run-id",
+        run_id,
+        "--step",
+        str(checkpoint.tokens),
+        "--stage",
+        checkpoint.stage,
+        "--timestamp-ms",
+        str(int(time.time() * 1000)),
+        # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
+        "--package-to",
+        model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens),
+    ]
     args += ["--sha256", checkpoint.sha256] if checkpoint.sha256 else []
     args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
     args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
@@ -121,8 +149,15 @@ def pod_args(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConf
     return args
 
 
-def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: TrackingConfig, run_id: str,
-                     max_seq_len: int, run_name: str, compute: ComputeConfig) -> EvalSummary:  # fmt: skip
+def _evaluate_in_pod(
+    checkpoint: CheckpointInfo,
+    cfg: EvalConfig,
+    tracking: TrackingConfig,
+    run_id: str,
+    max_seq_len: int,
+    run_name: str,
+    compute: ComputeConfig,
+) -> EvalSummary:
     """The gauntlet in its own pod, through the training launcher; the pod logs to MLflow, this reads its summary."""
     import tempfile
     from pathlib import Path
@@ -139,8 +174,9 @@ def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: Trac
         client.upsert_global_concurrency_limit_by_name(EVAL_PODS_LIMIT, compute.kubernetes.eval_concurrency)
     log_dir = Path(tempfile.gettempdir()) / "tessera-eval" / (run_name or run_id)
     with concurrency(EVAL_PODS_LIMIT, occupy=1, strict=True):
-        job = backend_for(compute).launch_one("evaluation", args, run=run_name or run_id, tokens=checkpoint.tokens,
-                                              log_dir=log_dir)  # fmt: skip
+        job = backend_for(compute).launch_one(
+            "evaluation", args, run=run_name or run_id, tokens=checkpoint.tokens, log_dir=log_dir
+        )
         logger.info("gauntlet of %s: pod log at %s", checkpoint.path, job.log_path)
         try:
             code = job.wait()
@@ -156,10 +192,31 @@ def _evaluate_in_pod(checkpoint: CheckpointInfo, cfg: EvalConfig, tracking: Trac
         raise RuntimeError(f"evaluation pod of {checkpoint.path} ended without its summary line, see {job.log_path}")
     create_markdown_artifact(
         key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
-        markdown=summary["markdown"], description=f"Eval gauntlet of {checkpoint.path}",
-    )  # fmt: skip
-    logger.info("gauntlet at %s tokens: average %.4f (%d examples in %.1fs, in pod)", f"{checkpoint.tokens:,}",
-                summary["average"], summary["examples"], summary["seconds"])  # fmt: skip
-    return EvalSummary(tokens=checkpoint.tokens, stage=checkpoint.stage, checkpoint=checkpoint.path,
-                       **{k: summary[k] for k in ("average", "headline", "gauntlet_hash", "metrics", "report_json",
-                                                  "report_html", "table", "model_uri")})  # fmt: skip
+        markdown=summary["markdown"],
+        description=f"Eval gauntlet of {checkpoint.path}",
+    )
+    logger.info(
+        "gauntlet at %s tokens: average %.4f (%d examples in %.1fs, in pod)",
+        f"{checkpoint.tokens:,}",
+        summary["average"],
+        summary["examples"],
+        summary["seconds"],
+    )
+    return EvalSummary(
+        tokens=checkpoint.tokens,
+        stage=checkpoint.stage,
+        checkpoint=checkpoint.path,
+        **{
+            k: summary[k]
+            for k in (
+                "average",
+                "headline",
+                "gauntlet_hash",
+                "metrics",
+                "report_json",
+                "report_html",
+                "table",
+                "model_uri",
+            )
+        },
+    )

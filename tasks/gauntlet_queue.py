@@ -93,7 +93,11 @@ class GauntletQueue:
         for skipped, held in self.backlog.add((ckpt, pinned)):
             get_run_logger().warning(
                 "skipping the gauntlet for the checkpoint at %d tokens (%s): evaluation is behind training, "
-                "%d newer checkpoints are waiting", skipped.tokens, skipped.path, pins.MAX_WAITING)  # fmt: skip
+                "%d newer checkpoints are waiting",
+                skipped.tokens,
+                skipped.path,
+                pins.MAX_WAITING,
+            )
             pins.unpin(Path(held.path))
 
     def _scoring(self) -> bool:
@@ -129,19 +133,30 @@ class GauntletQueue:
     def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
         previous = self.pending[-1] if self.pending else None
         summary = evaluate_checkpoint.submit(
-            pinned, self.eval_cfg, self.target.tracking, self.run_id, self.target.seq_len, self.run_name,
+            pinned,
+            self.eval_cfg,
+            self.target.tracking,
+            self.run_id,
+            self.target.seq_len,
+            self.run_name,
             # in-process evaluations share the CPU with training: one at a time; pods are bounded by
             # compute.kubernetes.eval_concurrency (a Prefect concurrency limit) instead
-            self.target.compute, wait_for=[allow_failure(previous[0])] if previous and not self._in_pods else None,
-        )  # fmt: skip
+            self.target.compute,
+            wait_for=[allow_failure(previous[0])] if previous and not self._in_pods else None,
+        )
         # The version records where the checkpoint itself lives (not the pin, which goes once registered),
         # so continued pretraining can find its optimizer state.
         where = f"{self.remote_folder}/{Path(ckpt.path).name}" if self.remote_folder else ckpt.path
         registration = register_checkpoint.submit(
-            pinned, summary, self.target.tracking, self.run_id, self.target.recipe_hash, self.remote_folder,
+            pinned,
+            summary,
+            self.target.tracking,
+            self.run_id,
+            self.target.recipe_hash,
+            self.remote_folder,
             {**self.version_tags, "checkpoint": where},
             wait_for=[allow_failure(previous[1])] if previous else None,
-        )  # fmt: skip
+        )
         self.pending.append((summary, registration, Path(pinned.path)))
 
     def _unpin_finished(self) -> None:

@@ -125,15 +125,14 @@ def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str]) -> s
         location = tracking.artifact_location
         if location and "://" not in location:
             location = Path(location).resolve().as_uri()
-        experiment_id = client.create_experiment(tracking.experiment, artifact_location=location,
-                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})  # fmt: skip
+        experiment_id = client.create_experiment(
+            tracking.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
     else:
         experiment_id = experiment.experiment_id
         if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind a person chose in the UI stays
             client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    found = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1
-    )
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
         if found[0].info.status != "RUNNING":
@@ -147,8 +146,9 @@ def open_run(tracking: TrackingConfig, run_name: str, tags: dict[str, str]) -> s
 
 
 @task(cache_policy=NO_CACHE)
-def record_run(tracking: TrackingConfig, run_id: str, params: dict[str, str], tags: dict[str, str],
-               files: dict[str, str]) -> list[str]:  # fmt: skip
+def record_run(
+    tracking: TrackingConfig, run_id: str, params: dict[str, str], tags: dict[str, str], files: dict[str, str]
+) -> list[str]:
     """Record what was run: params, tags and files (artifact dir -> local path) on the MLflow run.
 
     MLflow params cannot change once logged. A rerun of the same run name with a different value
@@ -163,16 +163,21 @@ def record_run(tracking: TrackingConfig, run_id: str, params: dict[str, str], ta
     fresh = [Param(k, v) for k, v in sorted(params.items()) if k not in logged]
     all_tags = {**tags, **{f"tessera.param_changed.{k}": f"{logged[k]} -> {params[k]}" for k in changed}}
     for i in range(0, max(len(fresh), 1), 100):  # log_batch takes at most 100 params
-        retrying("logging params and tags", lambda i=i: client.log_batch(
-            run_id, params=fresh[i : i + 100], tags=[RunTag(k, v) for k, v in all_tags.items()] if i == 0 else []))
+        retrying(
+            "logging params and tags",
+            lambda i=i: client.log_batch(
+                run_id, params=fresh[i : i + 100], tags=[RunTag(k, v) for k, v in all_tags.items()] if i == 0 else []
+            ),
+        )
     for artifact_dir, path in files.items():
         retrying(f"logging {path}", lambda a=artifact_dir, p=path: client.log_artifact(run_id, p, artifact_path=a))
     return changed
 
 
 @task(cache_policy=NO_CACHE)
-def close_run(tracking: TrackingConfig, run_id: str, status: str, note: str | None = None,
-              budget_s: float | None = None) -> None:  # fmt: skip
+def close_run(
+    tracking: TrackingConfig, run_id: str, status: str, note: str | None = None, budget_s: float | None = None
+) -> None:
     """End the run with `status` (FINISHED, FAILED, KILLED); `note` says why, as the `tessera.end` tag."""
     client = _mlflow_client(tracking)
     # always written: a reopened run had its earlier end's tag removed, and this end must not look unexplained
@@ -187,8 +192,9 @@ def _ui(tracking: TrackingConfig, page: str) -> str:
     MLflow 3.17's UI takes GenAI or model training from the page's `workflowType` (then from the browser's last
     choice, GenAI by default), not from the experiment's kind tag; its GenAI view hides the Model registry."""
     uri = tracking.tracking_uri
-    base = os.environ.get("TESSERA_MLFLOW_UI_URL") or (uri if uri.startswith(("http://", "https://")) else
-                                                       "http://127.0.0.1:5000")  # fmt: skip
+    base = os.environ.get("TESSERA_MLFLOW_UI_URL") or (
+        uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    )
     return f"{base.rstrip('/')}/#/{page}?workflowType=machine_learning"
 
 

@@ -37,8 +37,11 @@ def pin(path: str | Path, pins: Path) -> Path | None:
     try:
         os.link(source, target)
     except FileNotFoundError:
-        log.warning("checkpoint %s was deleted before it could be pinned (keep-last-K rotated it out): "
-                    "it will not be evaluated or registered", source)  # fmt: skip
+        log.warning(
+            "checkpoint %s was deleted before it could be pinned (keep-last-K rotated it out): "
+            "it will not be evaluated or registered",
+            source,
+        )
         return None
     except OSError as exc:
         if exc.errno != errno.EXDEV:
@@ -48,8 +51,9 @@ def pin(path: str | Path, pins: Path) -> Path | None:
             shutil.copyfile(source, staging)
         except FileNotFoundError:
             staging.unlink(missing_ok=True)
-            log.warning("checkpoint %s was deleted while it was being pinned: it will not be evaluated or "
-                        "registered", source)  # fmt: skip
+            log.warning(
+                "checkpoint %s was deleted while it was being pinned: it will not be evaluated or registered", source
+            )
             return None
         os.replace(staging, target)
     return target

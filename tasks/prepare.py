@@ -30,18 +30,31 @@ PROGRESS: dict[str, Callable[[int, int], None]] = {}
 _retry_unless_bad_input = retry_unless(DataError)
 
 
-@task(name="prepare-tokenizer", task_run_name="prepare-tokenizer", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
+@task(
+    name="prepare-tokenizer",
+    task_run_name="prepare-tokenizer",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_retry_unless_bad_input,
+)
 def prepare_tokenizer(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_bytes: int) -> TokenizerInfo:
     """Load the configured tokenizer or train one on the sources; saved under <root>/tokenizer-<hash>."""
     info = tokenizers_.resolve(cfg, root, sources, chunk_bytes)
-    get_run_logger().info("tokenizer at %s: vocab %d, eos id %d, %s", info.hf_dir, info.vocab_size,
-                          info.eos_token_id, info.dtype)  # fmt: skip
+    get_run_logger().info(
+        "tokenizer at %s: vocab %d, eos id %d, %s", info.hf_dir, info.vocab_size, info.eos_token_id, info.dtype
+    )
     return info
 
 
-@task(name="plan-sources", task_run_name="plan-sources", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
+@task(
+    name="plan-sources",
+    task_run_name="plan-sources",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_retry_unless_bad_input,
+)
 def plan_sources(data: DataConfig, tok: TokenizerInfo) -> list[pipeline.Plan]:
     """Each source's inputs (S3 listed, files stat'ed) and output, once for the whole prepare; starts what
     the sources still to prepare will need while the first is set up."""
@@ -60,15 +73,28 @@ def plan_sources(data: DataConfig, tok: TokenizerInfo) -> list[pipeline.Plan]:
     return plans
 
 
-@task(name="prepare-source", task_run_name="prepare-{plan.source.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=_retry_unless_bad_input)  # fmt: skip
+@task(
+    name="prepare-source",
+    task_run_name="prepare-{plan.source.name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_retry_unless_bad_input,
+)
 def prepare_source(plan: pipeline.Plan, data: DataConfig, tok: TokenizerInfo) -> PreparedSource:
     """Tokenize, pack and write one planned source to <root>/<source>-<hash>, or reuse the finished output."""
     result = pipeline.prepare_planned(plan, data, tok, progress=PROGRESS.get(plan.source.name))
     logger = get_run_logger()
     if not result.cached:
-        logger.info("source %s: %d documents, %d tokens in %d samples -> %s (%d skipped)", plan.source.name,
-                    result.documents, result.tokens, result.samples, result.root, result.skipped)  # fmt: skip
+        logger.info(
+            "source %s: %d documents, %d tokens in %d samples -> %s (%d skipped)",
+            plan.source.name,
+            result.documents,
+            result.tokens,
+            result.samples,
+            result.root,
+            result.skipped,
+        )
     return result
 
 

@@ -23,12 +23,12 @@ from pydantic import BaseModel
 from evaluation.compare import deltas
 from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
+from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for, resolved_uri, retrying
 from tasks.promote_config import PromoteConfig
 from tasks.score import score_model
 from tasks.tracking_config import TrackingConfig
-from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.version_record import append_decision, now
 
 log = logging.getLogger("tessera.promote")
@@ -53,8 +53,9 @@ class Decision(BaseModel):
     def summary(self) -> str:
         worst = self.worst
         categories = f"worst category {worst[0]} {worst[1]:+.4f}" if worst else "no categories"
-        return (f"{self.headline} {self.challenger_score:.4f} vs {self.champion_score:.4f} ({self.gain:+.4f}), "
-                f"{categories}")  # fmt: skip
+        return (
+            f"{self.headline} {self.challenger_score:.4f} vs {self.champion_score:.4f} ({self.gain:+.4f}), {categories}"
+        )
 
 
 def decide(champion: GauntletReport, challenger: GauntletReport, rule: PromoteConfig) -> Decision:
@@ -69,11 +70,20 @@ def decide(champion: GauntletReport, challenger: GauntletReport, rule: PromoteCo
         reasons.append(f"{headline} gained {b - a:+.4f}, less than promote.min_gain {rule.min_gain:+.4f}")
     for name, delta in sorted(categories.items()):
         if delta < -rule.max_category_drop:
-            reasons.append(f"category {name} fell {delta:+.4f}, more than promote.max_category_drop "
-                           f"{rule.max_category_drop:.4f}")  # fmt: skip
+            reasons.append(
+                f"category {name} fell {delta:+.4f}, more than promote.max_category_drop {rule.max_category_drop:.4f}"
+            )
     text = f"{headline} gain >= {rule.min_gain:+.4f} and no category below -{rule.max_category_drop:.4f}"
-    return Decision(accepted=not reasons, headline=headline, champion_score=a, challenger_score=b, gain=b - a,
-                    category_deltas=categories, rule=text, reasons=reasons)  # fmt: skip
+    return Decision(
+        accepted=not reasons,
+        headline=headline,
+        champion_score=a,
+        challenger_score=b,
+        gain=b - a,
+        category_deltas=categories,
+        rule=text,
+        reasons=reasons,
+    )
 
 
 def _today() -> str:
@@ -100,20 +110,35 @@ def record_decision(client, name: str, champion: str, challenger: str, decision:
     why = "; ".join(decision.reasons) or "every condition of the rule held"
     deltas = {decision.headline: decision.gain, **{f"category.{k}": v for k, v in decision.category_deltas.items()}}
     common = {
-        "summary": decision.summary(), "rule": decision.rule, "reasons": decision.reasons, "run": run_name,
-        "headline": decision.headline, "champion_score": decision.champion_score,
-        "challenger_score": decision.challenger_score, "deltas": deltas,
-    }  # fmt: skip
-    as_challenger = {**common, "role": "challenger", "vs": f"v{champion} (champion)",
-                     "text": f"challenger vs v{champion}: {verdict}: {decision.summary()}; {why}"}  # fmt: skip
-    as_champion = {**common, "role": "champion", "vs": f"v{challenger} (challenger)",
-                   "text": f"champion vs v{challenger}: {verdict}: {decision.summary()}; {why}"}  # fmt: skip
+        "summary": decision.summary(),
+        "rule": decision.rule,
+        "reasons": decision.reasons,
+        "run": run_name,
+        "headline": decision.headline,
+        "champion_score": decision.champion_score,
+        "challenger_score": decision.challenger_score,
+        "deltas": deltas,
+    }
+    as_challenger = {
+        **common,
+        "role": "challenger",
+        "vs": f"v{champion} (champion)",
+        "text": f"challenger vs v{champion}: {verdict}: {decision.summary()}; {why}",
+    }
+    as_champion = {
+        **common,
+        "role": "champion",
+        "vs": f"v{challenger} (challenger)",
+        "text": f"champion vs v{challenger}: {verdict}: {decision.summary()}; {why}",
+    }
     if decision.accepted:
         worst = decision.worst
         floor = f"no category below {worst[1]:+.4f}" if worst else "no categories"
-        as_challenger["why"] = {CHAMPION_ALIAS: f"champion since {day}: {decision.headline} "
-                                f"{decision.challenger_score:.4f} vs {decision.champion_score:.4f} (v{champion}), "
-                                f"{floor} (run {run_name})"}  # fmt: skip
+        as_challenger["why"] = {
+            CHAMPION_ALIAS: f"champion since {day}: {decision.headline} "
+            f"{decision.challenger_score:.4f} vs {decision.champion_score:.4f} (v{champion}), "
+            f"{floor} (run {run_name})"
+        }
         as_champion["why"] = {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by v{challenger}"}
     _record(client, name, challenger, verdict, as_challenger)
     _record(client, name, champion, verdict, as_champion)
@@ -140,11 +165,22 @@ def bootstrap(client, name: str, version: str, run_name: str) -> bool:
         return False
     mv = client.get_model_version(name, version)
     score = mv.tags.get("gauntlet_average", "?")
-    why = (f"champion since {_today()}: the first champion, the best version of run {run_name} "
-           f"({mv.tags.get('headline', 'gauntlet average')} {score}); no rule applied (bootstrap)")  # fmt: skip
-    _record(client, name, version, "bootstrap", {
-        "summary": "first champion, no rule applied", "run": run_name, "text": f"bootstrap: {why}",
-        "why": {CHAMPION_ALIAS: why}})  # fmt: skip
+    why = (
+        f"champion since {_today()}: the first champion, the best version of run {run_name} "
+        f"({mv.tags.get('headline', 'gauntlet average')} {score}); no rule applied (bootstrap)"
+    )
+    _record(
+        client,
+        name,
+        version,
+        "bootstrap",
+        {
+            "summary": "first champion, no rule applied",
+            "run": run_name,
+            "text": f"bootstrap: {why}",
+            "why": {CHAMPION_ALIAS: why},
+        },
+    )
     set_aliases(client, name, {CHAMPION_ALIAS: version}, f"run {run_name}")
     return True
 
@@ -157,22 +193,49 @@ def promote_by_hand(client, name: str, version: str, note: str) -> str | None:
         return old
     day = _today()
     why = f"champion since {day}: promoted by hand ({note})"
-    _record(client, name, version, "manual", {"summary": note, "vs": f"v{old}" if old else "none", "role": "promoted",
-                                              "text": f"manual: {why}", "why": {CHAMPION_ALIAS: why}})  # fmt: skip
+    _record(
+        client,
+        name,
+        version,
+        "manual",
+        {
+            "summary": note,
+            "vs": f"v{old}" if old else "none",
+            "role": "promoted",
+            "text": f"manual: {why}",
+            "why": {CHAMPION_ALIAS: why},
+        },
+    )
     moves = {CHAMPION_ALIAS: str(version)}
     if old is not None:
-        _record(client, name, old, "manual", {
-            "summary": note, "vs": f"v{version}", "role": "replaced",
-            "text": f"manual: replaced by v{version} ({note})",
-            "why": {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by hand by v{version}"}})  # fmt: skip
+        _record(
+            client,
+            name,
+            old,
+            "manual",
+            {
+                "summary": note,
+                "vs": f"v{version}",
+                "role": "replaced",
+                "text": f"manual: replaced by v{version} ({note})",
+                "why": {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by hand by v{version}"},
+            },
+        )
         moves[PREVIOUS_CHAMPION_ALIAS] = old
     set_aliases(client, name, moves, "tessera promote")
     return old
 
 
 @task(cache_policy=NO_CACHE)
-def promote_challenger(eval_cfg: EvalConfig, tracking: TrackingConfig, rule: PromoteConfig, run_name: str, run_id: str,
-                       challenger: int, max_seq_len: int) -> tuple[Decision | None, int | None]:  # fmt: skip
+def promote_challenger(
+    eval_cfg: EvalConfig,
+    tracking: TrackingConfig,
+    rule: PromoteConfig,
+    run_name: str,
+    run_id: str,
+    challenger: int,
+    max_seq_len: int,
+) -> tuple[Decision | None, int | None]:
     """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
     from evaluation.compare import render_comparison_html
     from evaluation.report import compare_markdown
@@ -186,23 +249,39 @@ def promote_challenger(eval_cfg: EvalConfig, tracking: TrackingConfig, rule: Pro
     cfg = eval_cfg.model_copy(update={"strict": True, "max_seq_len": eval_cfg.max_seq_len or max_seq_len})
     uri = resolved_uri(tracking.tracking_uri)
     a = score_model.with_options(task_run_name=f"score-champion-v{champion}")(f"models:/{name}/{champion}", cfg, uri)
-    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(f"models:/{name}/{challenger}",
-                                                                                   cfg, uri)  # fmt: skip
+    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(
+        f"models:/{name}/{challenger}", cfg, uri
+    )
     decision = decide(a, b, rule)
     record_decision(client, name, champion, str(challenger), decision, run_name)
-    verdict = (f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
-               f"{decision.summary()}; rule: {decision.rule}" + (f"; {'; '.join(decision.reasons)}" if decision.reasons
-                                                                 else ""))  # fmt: skip
+    verdict = (
+        f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
+        f"{decision.summary()}; rule: {decision.rule}"
+        + (f"; {'; '.join(decision.reasons)}" if decision.reasons else "")
+    )
     markdown = f"# Promotion of {name} v{challenger}\n\n**{verdict}**\n\n" + compare_markdown(
-        a, b, f"champion v{champion}", f"challenger v{challenger}")
-    html = render_comparison_html(a, b, f"champion v{champion}", f"challenger v{challenger}",
-                                  f"{name}: champion v{champion} vs challenger v{challenger}", verdict)  # fmt: skip
-    create_markdown_artifact(key=artifact_key(run_name, "promotion"), markdown=markdown,
-                             description=f"Champion/challenger comparison of run {run_name}")  # fmt: skip
-    retrying("logging the promotion report", lambda: (
-        client.log_text(run_id, html, "promotion/comparison.html"),
-        client.log_text(run_id, markdown, "promotion/comparison.md"),
-        client.log_text(run_id, decision.model_dump_json(indent=1), "promotion/decision.json"),
-    ))  # fmt: skip
+        a, b, f"champion v{champion}", f"challenger v{challenger}"
+    )
+    html = render_comparison_html(
+        a,
+        b,
+        f"champion v{champion}",
+        f"challenger v{challenger}",
+        f"{name}: champion v{champion} vs challenger v{challenger}",
+        verdict,
+    )
+    create_markdown_artifact(
+        key=artifact_key(run_name, "promotion"),
+        markdown=markdown,
+        description=f"Champion/challenger comparison of run {run_name}",
+    )
+    retrying(
+        "logging the promotion report",
+        lambda: (
+            client.log_text(run_id, html, "promotion/comparison.html"),
+            client.log_text(run_id, markdown, "promotion/comparison.md"),
+            client.log_text(run_id, decision.model_dump_json(indent=1), "promotion/decision.json"),
+        ),
+    )
     logger.info(verdict)
     return decision, int(champion_version(client, name) or 0) or None

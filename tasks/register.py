@@ -34,8 +34,8 @@ from tasks.aliases import (  # noqa: F401 - the alias names are part of this mod
     set_aliases,
 )
 from tasks.evaluate import EvalSummary
-from tasks.retry import retry_unless
 from tasks.mlflow_run import RUN_NAME_TAG, client_for
+from tasks.retry import retry_unless
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from trainers.format.checkpoints import CheckpointInfo
@@ -71,9 +71,10 @@ def _ensure_registered_model(client, name: str) -> None:
     except MlflowException:
         try:
             client.create_registered_model(
-                name, tags=record_started(),
+                name,
+                tags=record_started(),
                 description="Checkpoints of tessera pretraining runs, one version per evaluated checkpoint.",
-            )  # fmt: skip
+            )
         except MlflowException as exc:
             if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
                 raise
@@ -115,9 +116,13 @@ def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, R
         return {}
     return {
         tokens: Registration(
-            name=name, version=int(v.version), tokens=tokens, created=False,
-            latest=int(aliases.get(LATEST_ALIAS, -1)), best=int(aliases.get(BEST_ALIAS, -1)),
-        )  # fmt: skip
+            name=name,
+            version=int(v.version),
+            tokens=tokens,
+            created=False,
+            latest=int(aliases.get(LATEST_ALIAS, -1)),
+            best=int(aliases.get(BEST_ALIAS, -1)),
+        )
         for tokens, v in versions.items()
     }
 
@@ -130,8 +135,13 @@ def move_aliases(tracking: TrackingConfig, run_id: str) -> tuple[int, int]:
     return _move_aliases(client_for(tracking), tracking.registered_model, run_id)
 
 
-@task(retries=7, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
-      retry_condition_fn=retry_unless(), task_run_name="register-tok-{checkpoint.tokens}")  # fmt: skip
+@task(
+    retries=7,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,
+    retry_condition_fn=retry_unless(),
+    task_run_name="register-tok-{checkpoint.tokens}",
+)
 def register_checkpoint(
     checkpoint: CheckpointInfo,
     summary: EvalSummary,
@@ -158,10 +168,12 @@ def register_checkpoint(
         else:
             with tempfile.TemporaryDirectory(prefix="tessera-export-") as tmp:
                 hf_dir = export_hf(checkpoint.path, Path(tmp) / "hf")
-                card = (f"# {name}\n\nA checkpoint of tessera run {run.data.tags.get(RUN_NAME_TAG, run_id)}, "
-                        f"stage {checkpoint.stage}, after {checkpoint.tokens:,} tokens; {summary.headline} "
-                        f"{summary.average:.4f} on gauntlet {summary.gauntlet_hash}. The licence is that of the "
-                        "training data.")  # fmt: skip
+                card = (
+                    f"# {name}\n\nA checkpoint of tessera run {run.data.tags.get(RUN_NAME_TAG, run_id)}, "
+                    f"stage {checkpoint.stage}, after {checkpoint.tokens:,} tokens; {summary.headline} "
+                    f"{summary.average:.4f} on gauntlet {summary.gauntlet_hash}. The licence is that of the "
+                    "training data."
+                )
                 model_dir = save_mlflow_model(hf_dir, Path(tmp) / "mlflow-model", card)
                 if remote_folder and weights_mb(hf_dir) > tracking.register_by_reference_above_mb:
                     source, storage = publish(model_dir, model_uri_for(remote_folder, checkpoint.tokens)), "reference"

@@ -53,8 +53,10 @@ def holder_tag(run_name: str) -> str:
 
 
 def free_by_hand(run_name: str) -> str:
-    return (f"if no run of it is live, free the slot by hand with `prefect gcl update {limit_name(run_name)} "
-            "--active-slots 0`")  # fmt: skip
+    return (
+        f"if no run of it is live, free the slot by hand with `prefect gcl update {limit_name(run_name)} "
+        "--active-slots 0`"
+    )
 
 
 # Creating a run name's limit is serialized through this one: two flow runs of a new run name (a double
@@ -169,7 +171,9 @@ def reclaim_orphaned(run_name: str, me: str | None, confirm_s: float = RECLAIM_C
     get_run_logger().warning(
         "run %s: reclaimed the slot of concurrency limit %s: it was held, but no live flow run holds it (its "
         "holder ended without releasing it, e.g. its lease was lost while the Prefect server restarted)",
-        run_name, name)  # fmt: skip
+        run_name,
+        name,
+    )
     return True
 
 
@@ -196,10 +200,15 @@ def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_i
 
     def slot(timeout_s: float):
         return concurrency(
-            name, occupy=1, timeout_seconds=timeout_s, lease_duration=LEASE_S, holder=holder, strict=True,
+            name,
+            occupy=1,
+            timeout_seconds=timeout_s,
+            lease_duration=LEASE_S,
+            holder=holder,
+            strict=True,
             # A failed renewal must not kill a training run; the trainer's own lock still guards the folder.
             raise_on_lease_renewal_failure=False,
-        )  # fmt: skip
+        )
 
     reclaim_orphaned(run_name, flow_run_id)
     if if_running == "wait":

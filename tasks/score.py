@@ -33,8 +33,16 @@ class Written:
 
 
 @task(cache_policy=NO_CACHE)
-def write_reports(report, baseline, model: str, compare_to: str | None, output_dir: str | None,
-                  tracking_uri: str | None = None, run_id: str | None = None, step: int = 0) -> Written:  # fmt: skip
+def write_reports(
+    report,
+    baseline,
+    model: str,
+    compare_to: str | None,
+    output_dir: str | None,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    step: int = 0,
+) -> Written:
     """The markdown of `report` (and its comparison with `baseline`), its files under `output_dir`, and its
     metrics on MLflow run `run_id` when given."""
     from evaluation.html import render_html
@@ -55,14 +63,18 @@ def write_reports(report, baseline, model: str, compare_to: str | None, output_d
     if output_dir:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        texts = {"report.md": report.to_markdown(title), "report.json": report.to_json(),
-                 "report.html": render_html(report, title)}  # fmt: skip
+        texts = {
+            "report.md": report.to_markdown(title),
+            "report.json": report.to_json(),
+            "report.html": render_html(report, title),
+        }
         if comparison:
             from evaluation.compare import compare_png, render_comparison_html
 
             texts["comparison.md"] = comparison
-            texts["comparison.html"] = render_comparison_html(baseline, report, compare_to, model,
-                                                              f"{compare_to} vs {model}")  # fmt: skip
+            texts["comparison.html"] = render_comparison_html(
+                baseline, report, compare_to, model, f"{compare_to} vs {model}"
+            )
             png = compare_png(baseline, report, compare_to, model)
             if png is not None:
                 (out / "comparison.png").write_bytes(png)

@@ -26,9 +26,9 @@ from prefect.states import Cancelled
 from infra import allow_launches, backend_for, stopping
 from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
+from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
-from tasks.data.results import PreparedData
 from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
 from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FATAL, INTERRUPTED
@@ -72,8 +72,17 @@ def local_save_folder(train: TrainConfig, run_name: str, run_dir: Path) -> Path:
     return Path(folder).resolve() / run_name
 
 
-def make_job(run_name: str, model: ModelConfig, train: TrainConfig, seq_len: int, prepared: PreparedData,
-             seq_len_streams: dict[int, dict[str, str]], every: int, run_dir: Path, mlflow: MlflowTarget) -> TrainJob:  # fmt: skip
+def make_job(
+    run_name: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    seq_len: int,
+    prepared: PreparedData,
+    seq_len_streams: dict[int, dict[str, str]],
+    every: int,
+    run_dir: Path,
+    mlflow: MlflowTarget,
+) -> TrainJob:
     """The TrainJob of a run: its model and train sections, resolved against the prepared data."""
     return TrainJob(
         run_name=run_name,
@@ -119,8 +128,13 @@ def _run_once(job, relay: ProgressRelay) -> int:
         relay.close()
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent), cache_policy=NO_CACHE,
-      task_run_name="train-{stage_name}")  # fmt: skip
+@task(
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent),
+    cache_policy=NO_CACHE,
+    task_run_name="train-{stage_name}",
+)
 def train_stage(
     job_path: str,
     stage_index: int,
@@ -146,7 +160,9 @@ def train_stage(
             log_dir=Path(log_dir) / stage_name,
             env={HOLDER_ENV: holder} if holder else None,
         )
-        logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
+        logger.info(
+            "stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path
+        )
         code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))
         preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
         kind = exit_kind(code)
@@ -161,15 +177,20 @@ def train_stage(
             logger.warning(
                 "stage %s: the job was stopped from outside (exit %d: %s); relaunching from the last checkpoint "
                 "(preemption %d of compute.max_preemptions=%d)",
-                stage_name, code, last[:200], preemptions, compute.max_preemptions,
-            )  # fmt: skip
+                stage_name,
+                code,
+                last[:200],
+                preemptions,
+                compute.max_preemptions,
+            )
             time.sleep(PREEMPTION_DELAY_S)
             continue
         error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
         budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
-        raise error(f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: "
-                    f"{last[:300]}")  # fmt: skip
+        raise error(
+            f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
+        )
 
 
 @task(cache_policy=NO_CACHE)
@@ -185,6 +206,11 @@ def deliver_metrics(job: TrainJob) -> int:
         return 0
     left = deliver_pending(job.mlflow, job.save_folder, job.run_name)
     if left:
-        get_run_logger().warning("%d metric rows of run %s could not reach MLflow yet; they stay in %s and the next "
-                                 "launch of this run delivers them", left, job.run_name, job.save_folder)  # fmt: skip
+        get_run_logger().warning(
+            "%d metric rows of run %s could not reach MLflow yet; they stay in %s and the next "
+            "launch of this run delivers them",
+            left,
+            job.run_name,
+            job.save_folder,
+        )
     return left

@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable
 from uuid import UUID
-
-from collections import deque
 
 from tasks.artifacts import artifact_key
 from trainers.progress import parse_progress, parse_start
@@ -87,8 +86,14 @@ def _duration(seconds: float) -> str:
 class ProgressRelay:
     """Feed it the job's output lines; it reports the newest progress at most every `every_s` seconds."""
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter, run_name: str, stage: str,
-                 every_s: float = RELAY_EVERY_S, artifacts: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter,
+        run_name: str,
+        stage: str,
+        every_s: float = RELAY_EVERY_S,
+        artifacts: bool = True,
+    ):
         self.logger, self.run_name, self.stage, self.every_s = logger, run_name, stage, every_s
         self.latest: dict | None = None
         self._reported: dict | None = None
@@ -145,8 +150,13 @@ class ProgressRelay:
 
         p = self.latest
         if self._bar is None:
-            self._bar = tqdm(total=p["stage_end"] - p["stage_start"], desc=f"train {self.stage}", unit="tok",
-                             unit_scale=True, dynamic_ncols=True)  # fmt: skip
+            self._bar = tqdm(
+                total=p["stage_end"] - p["stage_start"],
+                desc=f"train {self.stage}",
+                unit="tok",
+                unit_scale=True,
+                dynamic_ncols=True,
+            )
         self._bar.n = p["tokens"] - p["stage_start"]
         if p.get("loss") is not None:
             self._bar.set_postfix_str(f"loss {p['loss']:.3f}", refresh=False)

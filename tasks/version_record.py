@@ -31,8 +31,16 @@ TAGS = ("run", "stage", "tokens", "gauntlet_average", "headline", "gauntlet_hash
 # Run-less versions (made outside tessera) have no artifact store: their history falls back to tags.
 HISTORY_TAG_PREFIX = "history."
 _LEGACY_HISTORY_PREFIX = "promotion.history."
-_LEGACY_FACTS = ("checkpoint", "storage", "model_uri", "batch", "recipe_hash", "promotion.summary", "champion.why",
-                 "previous_champion.why")
+_LEGACY_FACTS = (
+    "checkpoint",
+    "storage",
+    "model_uri",
+    "batch",
+    "recipe_hash",
+    "promotion.summary",
+    "champion.why",
+    "previous_champion.why",
+)
 
 
 def folder(name: str, version: str | int) -> str:
@@ -43,8 +51,10 @@ def now() -> tuple[str, str]:
     """(stamp, ISO time): the stamp sorts as text and is unique to the nanosecond."""
     ns = time.time_ns()
     moment = dt.datetime.fromtimestamp(ns // 10**9, dt.UTC)
-    return (moment.strftime("%Y%m%dT%H%M%S") + f".{ns % 10**9:09d}Z",
-            moment.strftime("%Y-%m-%dT%H:%M:%S") + f".{ns % 10**9 // 1000:06d}Z")  # fmt: skip
+    return (
+        moment.strftime("%Y%m%dT%H%M%S") + f".{ns % 10**9:09d}Z",
+        moment.strftime("%Y-%m-%dT%H:%M:%S") + f".{ns % 10**9 // 1000:06d}Z",
+    )
 
 
 @contextlib.contextmanager
@@ -104,8 +114,9 @@ def append_decision(client, name: str, version: str | int, entry: dict) -> str:
     key = f"{stamp}-{uuid.uuid4().hex[:8]}"
     mv = client.get_model_version(name, str(version))
     if mv.run_id:
-        client.log_text(mv.run_id, json.dumps(entry, indent=1, sort_keys=True),
-                        f"{folder(name, version)}/history/{key}.json")  # fmt: skip
+        client.log_text(
+            mv.run_id, json.dumps(entry, indent=1, sort_keys=True), f"{folder(name, version)}/history/{key}.json"
+        )
     else:
         client.set_model_version_tag(name, str(version), HISTORY_TAG_PREFIX + key, json.dumps(entry, sort_keys=True))
     return stamp
@@ -115,8 +126,13 @@ def _legacy_entry(key: str, text: str) -> dict:
     """A `promotion.history.<YYYYmmddTHHMMSSZ>` tag as a history entry (second precision, text only)."""
     stamp = key.removeprefix(_LEGACY_HISTORY_PREFIX)
     at = dt.datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"stamp": stamp.removesuffix("Z") + ".000000000Z", "at": at, "kind": text.split(":", 1)[0],
-            "text": text, "legacy": True}  # fmt: skip
+    return {
+        "stamp": stamp.removesuffix("Z") + ".000000000Z",
+        "at": at,
+        "kind": text.split(":", 1)[0],
+        "text": text,
+        "legacy": True,
+    }
 
 
 def decision_history(client, name: str, version: str | int) -> list[dict]:

@@ -62,8 +62,13 @@ def moto_s3(monkeypatch):
     url = f"http://{host}:{port}"
     # moto keeps its buckets in process-wide state that outlives a server: start every test empty.
     urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
-    for k, v in {"S3_ENDPOINT_URL": url, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+    for k, v in {
+        "S3_ENDPOINT_URL": url,
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     yield boto3.client("s3", endpoint_url=url)
     server.stop()
@@ -110,12 +115,28 @@ def start_tessera_up(recipe: Path, work_dir: Path, *args: str) -> tuple[subproce
     output = work_dir.parent / f"tessera-up-{prefect_port}.out"
     with open(output, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "up", str(recipe), "--work-dir", str(work_dir),
-             "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port), *args],
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "up",
+                str(recipe),
+                "--work-dir",
+                str(work_dir),
+                "--prefect-port",
+                str(prefect_port),
+                "--mlflow-port",
+                str(mlflow_port),
+                *args,
+            ],
             # The scheduler runs, as it does for a user: it is a background service that the pins must keep
             # working (tests/test_deploy.py::test_a_cron_schedule_creates_runs_and_the_worker_runs_one).
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
     return process, prefect_port, mlflow_port, output
 
 
@@ -223,13 +244,21 @@ class LiveStack:
             if self.process.poll() is not None:
                 pytest.fail(f"tessera up exited ({self.process.returncode}):\n{self.output.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                online = httpx.post(f"{self.api_url}/work_pools/tessera-local/workers/filter", timeout=5,
-                                    json={"workers": {"status": {"any_": ["ONLINE"]}}, "limit": 10, "offset": 0})
+                online = httpx.post(
+                    f"{self.api_url}/work_pools/tessera-local/workers/filter",
+                    timeout=5,
+                    json={"workers": {"status": {"any_": ["ONLINE"]}}, "limit": 10, "offset": 0},
+                )
                 deployed = httpx.post(f"{self.api_url}/deployments/filter", json={"limit": 200}, timeout=5)
                 state_file = self.work_dir / "up" / "state.json"
-                if (online.status_code == 200 and online.json() and deployed.status_code == 200
-                        and wanted <= {d["name"] for d in deployed.json()}
-                        and answers(f"{self.mlflow_url}/health") and state_file.exists()):  # fmt: skip
+                if (
+                    online.status_code == 200
+                    and online.json()
+                    and deployed.status_code == 200
+                    and wanted <= {d["name"] for d in deployed.json()}
+                    and answers(f"{self.mlflow_url}/health")
+                    and state_file.exists()
+                ):
                     self.state = json.loads(state_file.read_text())
                     return
             if time.monotonic() > deadline:
@@ -258,9 +287,14 @@ class LiveStack:
         service = self.state["services"]["mlflow"]
         with open(service["log"], "ab") as out:
             self.restarted_mlflow = subprocess.Popen(
-                service["argv"], cwd=service["cwd"], env={**os.environ, **service["env"]},
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                service["argv"],
+                cwd=service["cwd"],
+                env={**os.environ, **service["env"]},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while not answers(f"{self.mlflow_url}/health"):
             assert self.restarted_mlflow.poll() is None, f"MLflow exited; see {service['log']}"
@@ -302,8 +336,16 @@ def live_stack(tmp_path_factory):
     recipe = tiny_recipe(base)
     process, prefect_port, mlflow_port, output = start_tessera_up(recipe, base / "work")
     api = f"http://127.0.0.1:{prefect_port}/api"
-    stack = LiveStack(api_url=api, ui_url=f"http://127.0.0.1:{prefect_port}", mlflow_url=f"http://127.0.0.1:{mlflow_port}",
-                      work_dir=base / "work", recipe=recipe, process=process, env={"PREFECT_API_URL": api}, output=output)  # fmt: skip
+    stack = LiveStack(
+        api_url=api,
+        ui_url=f"http://127.0.0.1:{prefect_port}",
+        mlflow_url=f"http://127.0.0.1:{mlflow_port}",
+        work_dir=base / "work",
+        recipe=recipe,
+        process=process,
+        env={"PREFECT_API_URL": api},
+        output=output,
+    )
     try:
         stack.wait_ready()
         yield stack
@@ -345,9 +387,18 @@ def isolated_mlflow_globals(request):
 LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py", "tests/test_ui.py"}
 # The longest modules, longest first: a worker takes them before the short ones, so the two finish close
 # together instead of one starting a 10-minute module at the end. Measured with --durations in CI.
-_LONGEST_FIRST = ["live", "test_train.py", "test_server_restart.py", "test_pipeline_e2e.py", "test_train_ops.py",
-                  "test_continued.py", "test_data_interrupt.py", "test_exclusive.py", "test_register.py",
-                  "test_data_cli.py"]  # fmt: skip
+_LONGEST_FIRST = [
+    "live",
+    "test_train.py",
+    "test_server_restart.py",
+    "test_pipeline_e2e.py",
+    "test_train_ops.py",
+    "test_continued.py",
+    "test_data_interrupt.py",
+    "test_exclusive.py",
+    "test_register.py",
+    "test_data_cli.py",
+]
 
 
 def _scope(nodeid: str) -> str:
@@ -372,11 +423,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """Check LIVE_MODULES; on an xdist worker, put the longest modules first (the scheduler keeps the order)."""
-    unlisted = sorted({item.nodeid.split("::", 1)[0] for item in items
-                       if "live_stack" in getattr(item, "fixturenames", ())} - LIVE_MODULES)  # fmt: skip
+    unlisted = sorted(
+        {item.nodeid.split("::", 1)[0] for item in items if "live_stack" in getattr(item, "fixturenames", ())}
+        - LIVE_MODULES
+    )
     if unlisted:
         raise pytest.UsageError(f"tests/conftest.py: add {', '.join(unlisted)} to LIVE_MODULES (it uses live_stack)")
     if hasattr(config, "workerinput"):
+
         def rank(item) -> int:
             scope = _scope(item.nodeid)
             name = scope if scope == "live" else Path(scope).name

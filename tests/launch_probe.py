@@ -1,8 +1,8 @@
 """A stand-in training module for infra tests: reports its rank, then exits or sleeps as told.
 
-    exit N     rank 0 exits N, the others 0
-    sleep S    every rank sleeps S seconds
-    peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 76 (interrupted) as the trainer does
+exit N     rank 0 exits N, the others 0
+sleep S    every rank sleeps S seconds
+peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 76 (interrupted) as the trainer does
 """
 
 import os

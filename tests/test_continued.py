@@ -23,8 +23,11 @@ def _recipe(tmp: Path) -> Path:
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     raw["work_dir"] = str(tmp / "work")
     raw["data"]["root"] = str(tmp / "work" / "data")
-    raw["tracking"] |= {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "artifact_location": str(tmp / "art"),
-                        "registered_model": "cpt-tiny"}  # fmt: skip
+    raw["tracking"] |= {
+        "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "artifact_location": str(tmp / "art"),
+        "registered_model": "cpt-tiny",
+    }
     raw["train"]["stages"][0]["tokens"] = 8192  # 8 steps per stage, a checkpoint every 8: small and quick
     raw["train"]["stages"][1]["tokens"] = 8192
     raw["eval"]["every"] = 8192
@@ -85,23 +88,37 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     assert str(client.get_model_version_by_alias(name, "previous-champion").version) == first_champion
     assert challenger.tags["promotion"] == "accepted"
     # the tags are those people filter on; the checkpoint and the decision's numbers are in the record
-    assert set(challenger.tags) == {"run", "stage", "tokens", "gauntlet_average", "headline", "gauntlet_hash",
-                                    "continued_from", "promotion"}  # fmt: skip
+    assert set(challenger.tags) == {
+        "run",
+        "stage",
+        "tokens",
+        "gauntlet_average",
+        "headline",
+        "gauntlet_hash",
+        "continued_from",
+        "promotion",
+    }
     # Adam's moments came from the champion's checkpoint (same shapes), and the run says so
     run_tags = client.get_run(one.pipeline.mlflow_run_id).data.tags
     assert run_tags["tessera.optimizer_state"] == f"restored from {checkpoint_of(client, name, first_champion)}"
     assert run_tags["tessera.continued_from"] == f"models:/{name}/{first_champion}"
     assert decision_history(client, name, one.challenger)[-1]["rule"] == (
-        "core_average gain >= -1.0000 and no category below -1.0000")
+        "core_average gain >= -1.0000 and no category below -1.0000"
+    )
     assert "champion: champion since" in challenger.description and f"(v{first_champion})" in challenger.description
     old = client.get_model_version(name, first_champion)
     assert "previous-champion: champion until" in old.description and old.tags["promotion"] == "accepted"
     # the comparison report is on the continued run, and the decision with both scores
-    decision = json.loads(Path(client.download_artifacts(one.pipeline.mlflow_run_id, "promotion/decision.json",
-                                                         str(tmp))).read_text())  # fmt: skip
-    assert decision["accepted"] and set(decision["category_deltas"]) == {"commonsense_reasoning",
-                                                                         "language_understanding"}  # fmt: skip
-    html = Path(client.download_artifacts(one.pipeline.mlflow_run_id, "promotion/comparison.html", str(tmp))).read_text()
+    decision = json.loads(
+        Path(client.download_artifacts(one.pipeline.mlflow_run_id, "promotion/decision.json", str(tmp))).read_text()
+    )
+    assert decision["accepted"] and set(decision["category_deltas"]) == {
+        "commonsense_reasoning",
+        "language_understanding",
+    }
+    html = Path(
+        client.download_artifacts(one.pipeline.mlflow_run_id, "promotion/comparison.html", str(tmp))
+    ).read_text()
     assert "data:image/png;base64," in html and "ACCEPTED" in html
 
     # nothing new: no training, no version, and it says since when
@@ -118,9 +135,11 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     assert str(client.get_model_version_by_alias(name, "champion").version) == str(one.challenger)  # did not move
     loser = client.get_model_version(name, str(two.challenger))
     assert loser.tags["promotion"] == "rejected" and "less than promote.min_gain +1.0000" in " ".join(
-        e["text"] for e in decision_history(client, name, two.challenger))
-    ledger = json.loads(Path(client.download_artifacts(two.pipeline.mlflow_run_id, "ledger/consumed.json",
-                                                       str(tmp / "l2"))).read_text())  # fmt: skip
+        e["text"] for e in decision_history(client, name, two.challenger)
+    )
+    ledger = json.loads(
+        Path(client.download_artifacts(two.pipeline.mlflow_run_id, "ledger/consumed.json", str(tmp / "l2"))).read_text()
+    )
     assert [e["path"] for e in ledger] == [str(b.resolve())]
     job = json.loads((tmp / "work" / "runs" / two.run_name / "job.json").read_text())
     new_source = next(p for n, p in job["streams"].items() if n.startswith("new-"))

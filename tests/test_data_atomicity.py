@@ -27,8 +27,9 @@ pipeline.prepare_source(data.sources[0], data, tok)
 def _setup(tmp_path, copies: int):
     text = SHAKESPEARE.read_text() * copies
     (tmp_path / "in.txt").write_text(text)
-    data = make_config(tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
-                       seq_len=128)
+    data = make_config(
+        tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}], seq_len=128
+    )
     # Resolved here so the child's only staged output is the source (the fault hook is not selective).
     tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     cfg = tmp_path / "data.json"
@@ -38,8 +39,13 @@ def _setup(tmp_path, copies: int):
 
 
 def _spawn(cfg, **env):
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(cfg)], cwd=ROOT, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(cfg)],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _finish_and_check(data, docs):

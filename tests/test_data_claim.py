@@ -29,8 +29,9 @@ print("cached" if res.cached else "written")
 def _setup(tmp_path, copies: int):
     text = SHAKESPEARE.read_text() * copies
     (tmp_path / "in.txt").write_text(text)
-    data = make_config(tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
-                       seq_len=128)
+    data = make_config(
+        tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}], seq_len=128
+    )
     tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     cfg = tmp_path / "data.json"
     cfg.write_text(data.model_dump_json())
@@ -54,8 +55,14 @@ def _foreign_run(out: str, heartbeat_age_s: float) -> str:
 
 
 def _spawn(cfg, **env):
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(cfg)], cwd=ROOT, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(cfg)],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _check_output(data, out, docs):

@@ -29,8 +29,9 @@ def test_work_dir_that_is_a_file(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", SOURCE, tmp_path / "data", tmp_path / "wd")
     done = tessera("prepare", str(recipe))
     line = _one_line_error(done)
-    assert line.startswith(f"tessera: error: work_dir {tmp_path / 'wd'}: cannot hold Prefect's database in "
-                           f"{tmp_path / 'wd' / 'prefect'} ("), line
+    assert line.startswith(
+        f"tessera: error: work_dir {tmp_path / 'wd'}: cannot hold Prefect's database in {tmp_path / 'wd' / 'prefect'} ("
+    ), line
     assert not (tmp_path / "data").exists()
 
 
@@ -64,22 +65,25 @@ def test_data_root_on_a_read_only_filesystem(tmp_path):
     script = f"mount -t tmpfs -o ro tmpfs {ro} && exec {ROOT / '.venv' / 'bin' / 'tessera'} prepare {recipe}"
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     t0 = time.monotonic()
-    done = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     line = _one_line_error(done)
     assert line == f"tessera: error: {ro / 'data'}: cannot create data.root: Read-only file system", line
     assert time.monotonic() - t0 < 10  # said before Prefect's server started, and so never retried
 
 
 def test_missing_tokenizer_fails_with_the_recipe_before_prefect_starts(tmp_path):
-    recipe = write_recipe(tmp_path / "r.yaml", SOURCE, tmp_path / "data", tmp_path / "wd",
-                          tokenizer="tokenizers/nope/tokenizer.json")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", SOURCE, tmp_path / "data", tmp_path / "wd", tokenizer="tokenizers/nope/tokenizer.json"
+    )
     t0 = time.monotonic()
     line = _one_line_error(tessera("prepare", str(recipe)))
     assert time.monotonic() - t0 < 10
     assert line.startswith(f"tessera: error: {recipe}:")
-    assert line.endswith(f": data.tokenizer.path: tokenizers/nope/tokenizer.json does not exist "
-                         f"(relative paths resolve against {ROOT})"), line
+    assert line.endswith(
+        f": data.tokenizer.path: tokenizers/nope/tokenizer.json does not exist (relative paths resolve against {ROOT})"
+    ), line
     assert not (tmp_path / "wd" / "prefect").exists()  # Prefect never started
 
 
@@ -87,10 +91,11 @@ def test_missing_tokenizer_fails_with_the_recipe_before_prefect_starts(tmp_path)
 def test_prepare_makes_every_stage_length_that_run_trains_on(tmp_path, prefect_harness):
     """A stage with its own seq_len: `tessera prepare` leaves exactly the directories `run` reads."""
     sources = [{"name": "s", "paths": [str(SHAKESPEARE)], "separator": "\n\n"}]
-    stages = [{"name": "short", "tokens": 8 * 64 * 4, "mixture": {"s": 1.0}},
-              {"name": "long", "tokens": 8 * 256 * 2, "mixture": {"s": 1.0}, "seq_len": 256}]
-    recipe = write_recipe(tmp_path / "r.yaml", sources, tmp_path / "data", tmp_path / "wd", stages=stages,
-                          seq_len=64)
+    stages = [
+        {"name": "short", "tokens": 8 * 64 * 4, "mixture": {"s": 1.0}},
+        {"name": "long", "tokens": 8 * 256 * 2, "mixture": {"s": 1.0}, "seq_len": 256},
+    ]
+    recipe = write_recipe(tmp_path / "r.yaml", sources, tmp_path / "data", tmp_path / "wd", stages=stages, seq_len=64)
     done = tessera("prepare", str(recipe))
     assert done.returncode == 0, done.stderr[-3000:]
     made = sorted(os.listdir(tmp_path / "data"))

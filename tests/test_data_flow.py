@@ -6,7 +6,6 @@ import os
 import shutil
 
 import numpy as np
-import pytest
 
 from flows.prepare import prepare_sources, summarize
 from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov, read_tokens
@@ -20,8 +19,11 @@ def _task_states(state) -> dict[str, str]:
     from prefect.client.schemas.sorting import TaskRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[
-            state.state_details.flow_run_id])), sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=50)
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=50,
+        )
     return {r.name: r.state.name for r in runs}
 
 
@@ -32,10 +34,18 @@ def _artifact_rows(state) -> list[dict]:
 
     # Raw filter body: this client version sends null sub-filters that the server rejects.
     with get_client(sync_client=True) as client:
-        arts = client.request("POST", "/artifacts/filter", json={
-            "artifacts": {"key": {"any_": ["prepared-data"]},
-                          "flow_run_id": {"any_": [str(state.state_details.flow_run_id)]}},
-            "limit": 5, "offset": 0}).json()
+        arts = client.request(
+            "POST",
+            "/artifacts/filter",
+            json={
+                "artifacts": {
+                    "key": {"any_": ["prepared-data"]},
+                    "flow_run_id": {"any_": [str(state.state_details.flow_run_id)]},
+                },
+                "limit": 5,
+                "offset": 0,
+            },
+        ).json()
     assert len(arts) == 1 and arts[0]["type"] == "table"
     data = arts[0]["data"]
     return json.loads(data) if isinstance(data, str) else data
@@ -72,7 +82,8 @@ def test_demo_recipe_in_parallel(tmp_path, prefect_harness):
 
     rows = _artifact_rows(state)
     assert [(r["source"], r["documents"], r["tokens"], r["skipped"]) for r in rows] == [
-        (s.name, s.documents, s.tokens, 0) for s in prepared.sources.values()]
+        (s.name, s.documents, s.tokens, 0) for s in prepared.sources.values()
+    ]
     assert rows[0]["path"] == prepared.sources["tinyshakespeare"].root
 
 
@@ -82,13 +93,21 @@ def test_rerun_is_cached_and_one_change_redoes_one_source(tmp_path, prefect_harn
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("Alpha paragraph one.\n\nAlpha paragraph two, somewhat longer than one.")
     b.write_text("Bravo paragraph one.\n\nBravo two.\n\nBravo three.")
-    data = make_config(tmp_path / "data", [
-        {"name": "a", "paths": [str(a)], "separator": "\n\n"},
-        {"name": "b", "paths": [str(b)], "separator": "\n\n"},
-    ], seq_len=4)
+    data = make_config(
+        tmp_path / "data",
+        [
+            {"name": "a", "paths": [str(a)], "separator": "\n\n"},
+            {"name": "b", "paths": [str(b)], "separator": "\n\n"},
+        ],
+        seq_len=4,
+    )
     first, states = _run(data)
-    assert states == {"prepare-tokenizer": "Completed", "plan-sources": "Completed", "prepare-a": "Completed",
-                      "prepare-b": "Completed"}  # fmt: skip
+    assert states == {
+        "prepare-tokenizer": "Completed",
+        "plan-sources": "Completed",
+        "prepare-a": "Completed",
+        "prepare-b": "Completed",
+    }
     assert not any(s.cached for s in first.sources.values())
     written = {n: os.stat(os.path.join(s.root, "_DONE")).st_mtime_ns for n, s in first.sources.items()}
 

@@ -31,10 +31,16 @@ def expected_tokens(docs: list[str]) -> int:
 
 
 def make_config(root, sources, seq_len=64, **kw) -> DataConfig:
-    return DataConfig.model_validate({
-        "root": str(root), "seq_len": seq_len, "tokenizer": kw.pop("tokenizer", {"path": str(NEOX)}),
-        "sources": sources, "workers": kw.pop("workers", 1), **kw,
-    })
+    return DataConfig.model_validate(
+        {
+            "root": str(root),
+            "seq_len": seq_len,
+            "tokenizer": kw.pop("tokenizer", {"path": str(NEOX)}),
+            "sources": sources,
+            "workers": kw.pop("workers", 1),
+            **kw,
+        }
+    )
 
 
 def read_tokens(path: str) -> np.ndarray:
@@ -68,8 +74,16 @@ def neox_info(tmp_path_factory):
     return tokenizer.resolve(cfg, str(tmp_path_factory.mktemp("tokroot")), [], 1 << 20)
 
 
-def write_recipe(path: Path, sources: list[dict], root, work_dir, stages: list[dict] | None = None,
-                 seq_len: int = 128, tokenizer: str | None = None, **data) -> Path:
+def write_recipe(
+    path: Path,
+    sources: list[dict],
+    root,
+    work_dir,
+    stages: list[dict] | None = None,
+    seq_len: int = 128,
+    tokenizer: str | None = None,
+    **data,
+) -> Path:
     """A runnable recipe (the tiny demo's model, eval and tracking) over these data sources; `data`
     sets more fields of its data section."""
     import yaml
@@ -79,7 +93,8 @@ def write_recipe(path: Path, sources: list[dict], root, work_dir, stages: list[d
     recipe["data"].update({"root": str(root), "seq_len": seq_len, "sources": sources, **data})
     recipe["data"]["tokenizer"]["path"] = tokenizer or str(NEOX)
     recipe["train"]["stages"] = stages or [
-        {"name": "all", "tokens": 8 * seq_len * 4, "mixture": {sources[0]["name"]: 1.0}}]
+        {"name": "all", "tokens": 8 * seq_len * 4, "mixture": {sources[0]["name"]: 1.0}}
+    ]
     recipe["eval"]["every"] = 8 * seq_len * 4
     for key in ("tasks", "gauntlet", "data_root"):
         recipe["eval"][key] = str(ROOT / recipe["eval"][key])
@@ -94,5 +109,11 @@ def tessera(*args: str, timeout: float = 300, **env: str):
     import subprocess
 
     clean = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
-    return subprocess.run([str(ROOT / ".venv" / "bin" / "tessera"), *args], cwd=ROOT, env={**clean, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "tessera"), *args],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

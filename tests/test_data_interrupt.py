@@ -31,8 +31,15 @@ def _corpus(tmp_path):
 def _start(recipe):
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     # Its own process group, as a shell gives a foreground job: a terminal's Ctrl-C goes to the group.
-    return subprocess.Popen([str(ROOT / ".venv" / "bin" / "tessera"), "prepare", str(recipe)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(ROOT / ".venv" / "bin" / "tessera"), "prepare", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for(cond, proc, timeout_s=240):
@@ -74,10 +81,16 @@ def _state(root):
 def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
     early, big = _corpus(tmp_path)
     root = tmp_path / "data"
-    recipe = write_recipe(tmp_path / "r.yaml", [
-        {"name": "early", "paths": [str(early)], "separator": "\n\n"},
-        {"name": "big", "paths": [str(big)], "separator": "\n\n"},
-    ], root, tmp_path / "wd", workers=2)
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        [
+            {"name": "early", "paths": [str(early)], "separator": "\n\n"},
+            {"name": "big", "paths": [str(big)], "separator": "\n\n"},
+        ],
+        root,
+        tmp_path / "wd",
+        workers=2,
+    )
 
     for sig, group, code in ((signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)):
         proc = _start(recipe)
@@ -85,8 +98,10 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
         assert proc.returncode == code, stderr[-3000:]
         assert elapsed < 5, (sig.name, elapsed, stderr[-3000:])
         said = [line for line in stderr.splitlines() if line.startswith("tessera: interrupted")]
-        assert said == [f"tessera: interrupted by {sig.name}: nothing partial was published; finished sources "
-                        "are kept and a rerun reuses them"], stderr[-3000:]
+        assert said == [
+            f"tessera: interrupted by {sig.name}: nothing partial was published; finished sources "
+            "are kept and a rerun reuses them"
+        ], stderr[-3000:]
         assert "Traceback" not in stderr, stderr[-3000:]
         # Nothing of the interrupted source: no output, no staging, no lease; the finished one intact.
         assert glob.glob(os.path.join(root, "big-*")) == glob.glob(os.path.join(root, ".big-*")) == []
@@ -94,9 +109,14 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
             finished = _state(root)
         assert _state(root) == finished
 
-    done = subprocess.run([str(ROOT / ".venv" / "bin" / "tessera"), "prepare", str(recipe)], cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")},
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "tessera"), "prepare", str(recipe)],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.startswith(("early ", "big "))}
     assert rows["early"][5] == "cached" and rows["big"][5] == "written", done.stdout

@@ -63,8 +63,10 @@ def test_a_20mb_line_fails_by_default_with_bounded_memory(tmp_path):
     cfg = tmp_path / "data.json"
     cfg.write_text(data.model_dump_json())
     peak_mb, last = _peak_rss_mb([sys.executable, "-c", SCRIPT, str(cfg)])
-    assert last == (f"error {line}:1: document of 20,000,000 bytes exceeds max_doc_chars=1000000; "
-                    "the separator '\\n\\n' never occurs in the file")
+    assert last == (
+        f"error {line}:1: document of 20,000,000 bytes exceeds max_doc_chars=1000000; "
+        "the separator '\\n\\n' never occurs in the file"
+    )
     # The interpreter with tokenizers, numpy and pydantic is ~150 MB; the 20 MB line is never held.
     assert peak_mb < 400, peak_mb
     print(f"peak RSS {peak_mb:.0f} MB")
@@ -95,8 +97,9 @@ def test_over_long_documents_are_streamed_past_skipped_or_cut(tmp_path, tok_info
 def test_whole_file_and_jsonl_records_are_bounded_too(tmp_path, tok_info):
     big = tmp_path / "whole.txt"
     big.write_text("é" * 600_000)  # 1.2 MB of 2-byte characters, one document
-    data = make_config(tmp_path / "w", [{"name": "w", "paths": [str(big)], "max_doc_chars": 1000,
-                                         "truncate_long": True}], seq_len=4)
+    data = make_config(
+        tmp_path / "w", [{"name": "w", "paths": [str(big)], "max_doc_chars": 1000, "truncate_long": True}], seq_len=4
+    )
     res = pipeline.prepare_source(data.sources[0], data, tok_info)
     assert res.documents == 1 and prov(res.root)["counts"]["truncated"] == 1
     ids = neox().encode("é" * 1000, add_special_tokens=False).ids + [0]
@@ -104,8 +107,12 @@ def test_whole_file_and_jsonl_records_are_bounded_too(tmp_path, tok_info):
 
     j = tmp_path / "d.jsonl"
     j.write_text(json.dumps({"text": "fine record"}) + "\n" + json.dumps({"text": "q" * 2_000_000}) + "\n")
-    data = make_config(tmp_path / "j", [{"name": "j", "kind": "jsonl", "paths": [str(j)], "max_doc_chars": 1000}],
-                       seq_len=2)
-    with pytest.raises(DataError, match=rf"^{j}:2: line of 2,000,012 bytes exceeds max_doc_chars=1000; lines over "
-                                        r"1,048,576 bytes are not parsed$"):
+    data = make_config(
+        tmp_path / "j", [{"name": "j", "kind": "jsonl", "paths": [str(j)], "max_doc_chars": 1000}], seq_len=2
+    )
+    with pytest.raises(
+        DataError,
+        match=rf"^{j}:2: line of 2,000,012 bytes exceeds max_doc_chars=1000; lines over "
+        r"1,048,576 bytes are not parsed$",
+    ):
         pipeline.prepare_source(data.sources[0], data, tok_info)

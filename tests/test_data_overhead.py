@@ -24,17 +24,26 @@ def test_sources_that_fit_one_part_spawn_no_tokenizer_pool(tmp_path, prefect_har
     parallel.shutdown()  # the pool lives per process: start from none
     text = SHAKESPEARE.read_text()
     for i in range(3):
-        (tmp_path / f"s{i}.txt").write_text(text[i * 100_000:(i + 1) * 100_000])
-    data = make_config(tmp_path / "data", [{"name": f"s{i}", "paths": [str(tmp_path / f"s{i}.txt")],
-                                            "separator": "\n\n"} for i in range(3)], seq_len=64, workers=2)
+        (tmp_path / f"s{i}.txt").write_text(text[i * 100_000 : (i + 1) * 100_000])
+    data = make_config(
+        tmp_path / "data",
+        [{"name": f"s{i}", "paths": [str(tmp_path / f"s{i}.txt")], "separator": "\n\n"} for i in range(3)],
+        seq_len=64,
+        workers=2,
+    )
     prepared = prepare_sources(data)
     assert [s.documents > 0 for s in prepared.sources.values()] == [True] * 3
     # Each 100 kB source is one part and is tokenized in the flow's own process: spawning two
     # interpreters (and shutting them down at exit) would be pure overhead.
     assert _pool_processes() == []
 
-    big = make_config(tmp_path / "big", [{"name": "big", "paths": [str(SHAKESPEARE)], "separator": "\n\n"}],
-                      seq_len=64, workers=2, chunk_bytes=300_000)
+    big = make_config(
+        tmp_path / "big",
+        [{"name": "big", "paths": [str(SHAKESPEARE)], "separator": "\n\n"}],
+        seq_len=64,
+        workers=2,
+        chunk_bytes=300_000,
+    )
     prepare_sources(big)
     assert len(_pool_processes()) == 2  # cut into parts: the pool is used, and kept for the process
 
@@ -60,11 +69,17 @@ def test_writing_mds_does_not_import_streamings_dataset_collections(tmp_path):
     from tests.test_data_helpers import ROOT
 
     (tmp_path / "s.txt").write_text(SHAKESPEARE.read_text()[:50_000])
-    data = make_config(tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "s.txt")], "separator": "\n\n"}],
-                       seq_len=64)
+    data = make_config(
+        tmp_path / "data", [{"name": "s", "paths": [str(tmp_path / "s.txt")], "separator": "\n\n"}], seq_len=64
+    )
     (tmp_path / "data.json").write_text(data.model_dump_json())
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "data.json")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "data.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # Streaming's dataset collections (and the ~3 s, 300 MB of transformers' auto-tokenizers and
     # scikit-learn they import) are not needed to write MDS.

@@ -33,7 +33,9 @@ def test_prepare_into_an_s3_root_publishes_done_last_and_reuses_it(tmp_path, mot
     assert first.tokenizer.uri == f"s3://data/prepared/{tok_name}" and f"prepared/{tok_name}/_DONE" in keys
     copy = fetch_folder(first.tokenizer.uri, tmp_path / "pod-cache" / tok_name)
     text = "Shall I compare thee to a summer's day?"
-    assert AutoTokenizer.from_pretrained(copy).encode(text) == AutoTokenizer.from_pretrained(first.tokenizer.hf_dir).encode(text)
+    assert AutoTokenizer.from_pretrained(copy).encode(text) == AutoTokenizer.from_pretrained(
+        first.tokenizer.hf_dir
+    ).encode(text)
 
     # training streams it from the bucket: the samples are the ones written
     ds = StreamingDataset(remote=plays.path, local=str(tmp_path / "stream-cache"), shuffle=False, batch_size=1)

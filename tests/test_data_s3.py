@@ -41,16 +41,16 @@ def test_s3_text_jsonl_and_parquet(tmp_path, tok_info, s3):
     total = expected_tokens(paras)
 
     # A plain prefix lists the "folder"; small chunks force ranged reads inside each object.
-    res = _run(tmp_path, tok_info, {"name": "t", "paths": ["s3://corpus/text"], "separator": "\n\n"},
-               chunk_bytes=1000)
+    res = _run(tmp_path, tok_info, {"name": "t", "paths": ["s3://corpus/text"], "separator": "\n\n"}, chunk_bytes=1000)
     p = prov(res.root)
     assert res.documents == 120 and p["counts"]["train"]["tokens"] == total
     assert [f[0] for f in p["inputs"]] == ["s3://corpus/text/a.txt", "s3://corpus/text/b.txt"]
     assert all(len(f[2]) == 32 for f in p["inputs"])  # the ETag, not an mtime
     assert read_tokens(res.path).shape == (total // 8, 8)
 
-    s3.put_object(Bucket="corpus", Key="j/part-1.jsonl",
-                  Body="".join(json.dumps({"text": t}) + "\n" for t in paras).encode())
+    s3.put_object(
+        Bucket="corpus", Key="j/part-1.jsonl", Body="".join(json.dumps({"text": t}) + "\n" for t in paras).encode()
+    )
     res = _run(tmp_path, tok_info, {"name": "j", "kind": "jsonl", "paths": ["s3://corpus/j/*.jsonl"]})
     assert res.documents == 120 and prov(res.root)["counts"]["train"]["tokens"] == total
 

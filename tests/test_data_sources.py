@@ -45,8 +45,9 @@ def _concat(docs):
 def test_text_blank_line_split_packs_exact_windows(tmp_path, tok_info):
     text = SHAKESPEARE.read_text()
     docs = [d for d in text.split("\n\n") if d.strip()]
-    res = _prepare(tmp_path, tok_info, {"name": "shakespeare", "paths": [str(SHAKESPEARE)], "separator": "\n\n"},
-                   seq_len=128)
+    res = _prepare(
+        tmp_path, tok_info, {"name": "shakespeare", "paths": [str(SHAKESPEARE)], "separator": "\n\n"}, seq_len=128
+    )
     total = expected_tokens(docs)
     assert res.documents == len(docs) == 7222
     assert res.samples == total // 128
@@ -73,8 +74,12 @@ def test_text_whole_files_from_glob(tmp_path, tok_info):
 
 def test_text_split_on_endoftext_marker(tmp_path, tok_info):
     docs = [d for d in STORIES_SAMPLE.read_text().split("<|endoftext|>") if d.strip()]
-    res = _prepare(tmp_path, tok_info, {"name": "stories", "paths": [str(STORIES_SAMPLE)],
-                                        "separator": "<|endoftext|>"}, seq_len=32)
+    res = _prepare(
+        tmp_path,
+        tok_info,
+        {"name": "stories", "paths": [str(STORIES_SAMPLE)], "separator": "<|endoftext|>"},
+        seq_len=32,
+    )
     assert res.documents == len(docs) == 5
     assert prov(res.root)["counts"]["train"]["tokens"] == expected_tokens(docs)
     # The marker text never reaches the tokenizer: each EOS in the output comes from packing.
@@ -90,9 +95,14 @@ def test_jsonl_text_field_and_template(tmp_path, tok_info):
     total = expected_tokens([r["text"] for r in recs])
     assert (res.documents, res.samples) == (40, total // 8)
 
-    res = _prepare(tmp_path, tok_info, {"name": "qa", "kind": "jsonl", "paths": [str(path)],
-                                        "template": "{question}\n{answer}"}, seq_len=8,
-                   compression="zstd", hashes=["sha1", "xxh64"])
+    res = _prepare(
+        tmp_path,
+        tok_info,
+        {"name": "qa", "kind": "jsonl", "paths": [str(path)], "template": "{question}\n{answer}"},
+        seq_len=8,
+        compression="zstd",
+        hashes=["sha1", "xxh64"],
+    )
     docs = [f"{r['question']}\n{r['answer']}" for r in recs]
     assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(docs)[: expected_tokens(docs) // 8 * 8])
     (shard,) = json.loads((Path(res.path) / "index.json").read_text())["shards"]
@@ -127,9 +137,11 @@ def test_hf_load_dataset_sources(tmp_path, tok_info, builder):
         spec = {"path": "text", "data_files": [str(folder / "train.txt")]}
     else:
         write_jsonl(folder / "train.jsonl", [{"text": t} for t in texts])
-        spec = ({"path": str(folder)} if builder == "folder"
-                else {"path": "json", "data_files": [str(folder / "train.jsonl")],
-                      "streaming": builder == "json-streaming"})
+        spec = (
+            {"path": str(folder)}
+            if builder == "folder"
+            else {"path": "json", "data_files": [str(folder / "train.jsonl")], "streaming": builder == "json-streaming"}
+        )
     res = _prepare(tmp_path, tok_info, {"name": "hf", "kind": "hf", **spec}, seq_len=16)
     assert res.documents == 30
     assert np.array_equal(read_tokens(res.path).reshape(-1), _concat(texts)[: expected_tokens(texts) // 16 * 16])
@@ -161,14 +173,23 @@ def test_filters_caps_and_validation_split(tmp_path, tok_info):
 def test_parallel_chunks_match_serial_and_report_progress(tmp_path, tok_info):
     text = SHAKESPEARE.read_text()[:200_000]
     (tmp_path / "in.txt").write_text(text)
-    data = {n: make_config(tmp_path / n, [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
-                           seq_len=128, workers=w, chunk_bytes=40_000) for n, w in (("one", 1), ("two", 2))}
+    data = {
+        n: make_config(
+            tmp_path / n,
+            [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
+            seq_len=128,
+            workers=w,
+            chunk_bytes=40_000,
+        )
+        for n, w in (("one", 1), ("two", 2))
+    }
     seen = {n: [0, 0] for n in data}
 
     def progress(name):
         def add(docs, tokens):
             seen[name][0] += docs
             seen[name][1] += tokens
+
         return add
 
     serial, par = (pipeline.prepare_source(d.sources[0], d, tok_info, progress=progress(n)) for n, d in data.items())

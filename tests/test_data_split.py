@@ -69,8 +69,13 @@ def test_three_newlines_across_the_chunk_boundary_keep_their_token(tmp_path, tok
     (tmp_path / "in.txt").write_text(text)
     docs = _expected(text, "\n\n")
     assert docs[-2] == "\nYfirst words of the second document."
-    data = make_config(tmp_path / "out", [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
-                       seq_len=8, chunk_bytes=1 << 20, workers=1)
+    data = make_config(
+        tmp_path / "out",
+        [{"name": "s", "paths": [str(tmp_path / "in.txt")], "separator": "\n\n"}],
+        seq_len=8,
+        chunk_bytes=1 << 20,
+        workers=1,
+    )
     res = pipeline.prepare_source(data.sources[0], data, tok_info)
     assert res.documents == len(docs)
     ids = []
@@ -79,4 +84,3 @@ def test_three_newlines_across_the_chunk_boundary_keep_their_token(tmp_path, tok
     rows = read_tokens(res.path).reshape(-1)
     assert expected_tokens(docs) == len(ids)
     assert np.array_equal(rows, np.array(ids[: len(ids) // 8 * 8]))
-

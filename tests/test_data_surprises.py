@@ -20,8 +20,9 @@ def test_a_large_file_the_separator_never_splits_is_warned_about(tmp_path, tok_i
     one = tmp_path / "one.txt"
     one.write_text("\n".join(line for line in SHAKESPEARE.read_text()[:600_000].splitlines() if line))  # no blank line
     src = {"name": "s", "paths": [str(one)], "separator": "\n\n"}
-    res = pipeline.prepare_source(make_config(tmp_path / "out", [src]).sources[0],
-                                  make_config(tmp_path / "out", [src]), tok_info)
+    res = pipeline.prepare_source(
+        make_config(tmp_path / "out", [src]).sources[0], make_config(tmp_path / "out", [src]), tok_info
+    )
     size = os.path.getsize(one)
     want = f"source 's': {one} ({size:,} bytes) is one document: the separator '\\n\\n' never occurs in it"
     assert res.documents == 1 and res.warnings == [want]
@@ -40,10 +41,14 @@ def test_a_large_file_the_separator_never_splits_is_warned_about(tmp_path, tok_i
 def test_val_fraction_that_holds_out_nothing_fails_naming_the_source(tmp_path, tok_info):
     f = tmp_path / "few.txt"
     f.write_text("\n\n".join(f"Document number {i} with a handful of words in it." for i in range(6)))
-    data = make_config(tmp_path / "out", [{"name": "few", "paths": [str(f)], "separator": "\n\n",
-                                           "val_fraction": 0.01}], seq_len=16)
-    with pytest.raises(DataError, match=r"^source 'few': val_fraction=0.01 held out no validation sample "
-                                        r"\(0 documents, 0 tokens; one sample is seq_len=16 tokens\)"):
+    data = make_config(
+        tmp_path / "out", [{"name": "few", "paths": [str(f)], "separator": "\n\n", "val_fraction": 0.01}], seq_len=16
+    )
+    with pytest.raises(
+        DataError,
+        match=r"^source 'few': val_fraction=0.01 held out no validation sample "
+        r"\(0 documents, 0 tokens; one sample is seq_len=16 tokens\)",
+    ):
         pipeline.prepare_source(data.sources[0], data, tok_info)
     assert [n for n in os.listdir(tmp_path / "out") if n.startswith("few-")] == []  # nothing published
 

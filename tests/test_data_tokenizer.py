@@ -33,10 +33,12 @@ def test_pretrained_file_and_directory(tmp_path):
 def test_trained_bpe_is_saved_and_reused(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    data = make_config(tmp_path / "out", [{"name": "stories", "paths": [str(STORIES_SAMPLE)],
-                                            "separator": "<|endoftext|>"}],
-                       tokenizer={"train": {"vocab_size": 400, "special_tokens": ["<|endoftext|>", "<|pad|>"]}},
-                       seq_len=16)
+    data = make_config(
+        tmp_path / "out",
+        [{"name": "stories", "paths": [str(STORIES_SAMPLE)], "separator": "<|endoftext|>"}],
+        tokenizer={"train": {"vocab_size": 400, "special_tokens": ["<|endoftext|>", "<|pad|>"]}},
+        seq_len=16,
+    )
     info = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     assert (info.vocab_size, info.eos_token_id, info.dtype, info.trained) == (400, 0, "uint16", True)
     hf = AutoTokenizer.from_pretrained(info.hf_dir)
@@ -59,8 +61,7 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path):
     tok.save(str(path))
     doc = tmp_path / "d.txt"
     doc.write_text("Plain words and <extra_15999> at the end.")
-    data = make_config(tmp_path / "out", [{"name": "d", "paths": [str(doc)]}], seq_len=4,
-                       tokenizer={"path": str(path)})
+    data = make_config(tmp_path / "out", [{"name": "d", "paths": [str(doc)]}], seq_len=4, tokenizer={"path": str(path)})
     info = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     assert info.vocab_size == 66277 and info.dtype == "uint32"
     res = pipeline.prepare_source(data.sources[0], data, info)
@@ -76,8 +77,12 @@ def test_bos_and_eos_wrap_every_document(tmp_path):
     docs = ["First document here.", "Second one, a bit longer than the first."]
     f = tmp_path / "d.txt"
     f.write_text("\n\n".join(docs))
-    data = make_config(tmp_path / "out", [{"name": "d", "paths": [str(f)], "separator": "\n\n"}], seq_len=2,
-                       tokenizer={"path": str(NEOX), "bos_token": "<|padding|>"})
+    data = make_config(
+        tmp_path / "out",
+        [{"name": "d", "paths": [str(f)], "separator": "\n\n"}],
+        seq_len=2,
+        tokenizer={"path": str(NEOX), "bos_token": "<|padding|>"},
+    )
     info = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     assert (info.bos_token_id, info.eos_token_id) == (1, 0)
     res = pipeline.prepare_source(data.sources[0], data, info)

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -25,14 +25,24 @@ from tests.conftest import ROOT, answers, free_port, prefect_api, start_tessera_
 
 pytestmark = pytest.mark.slow
 
-PARAMS = {"pretrain_pipeline/pretrain": PipelineParams, "prepare_data/prepare": PrepareParams,
-          "tessera-eval/eval": EvalParams, "continued_pretraining/continue": ContinueParams,
-          "continued_pretraining/continued-pretraining-weekly": ContinueParams}  # fmt: skip
+PARAMS = {
+    "pretrain_pipeline/pretrain": PipelineParams,
+    "prepare_data/prepare": PrepareParams,
+    "tessera-eval/eval": EvalParams,
+    "continued_pretraining/continue": ContinueParams,
+    "continued_pretraining/continued-pretraining-weekly": ContinueParams,
+}
 
 
 def tessera(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def deployment(api: str, name: str) -> dict:
@@ -42,8 +52,11 @@ def deployment(api: str, name: str) -> dict:
 
 
 def run_deployment(api: str, name: str, params: dict) -> str:
-    response = prefect_api("POST", f"{api}/deployments/{deployment(api, name)['id']}/create_flow_run",
-                           json={"parameters": {"params": params}})  # fmt: skip
+    response = prefect_api(
+        "POST",
+        f"{api}/deployments/{deployment(api, name)['id']}/create_flow_run",
+        json={"parameters": {"params": params}},
+    )
     return response.json()["id"]
 
 
@@ -67,8 +80,11 @@ WEEKLY = "continued_pretraining/continued-pretraining-weekly"
 
 def scheduled_runs(api: str, deployment_id: str) -> list[dict]:
     """The deployment's runs in state Scheduled, soonest first: its *Upcoming* tab in the UI."""
-    body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}, "state": {"type": {"any_": ["SCHEDULED"]}}},
-            "sort": "EXPECTED_START_TIME_ASC", "limit": 20}  # fmt: skip
+    body = {
+        "flow_runs": {"deployment_id": {"any_": [deployment_id]}, "state": {"type": {"any_": ["SCHEDULED"]}}},
+        "sort": "EXPECTED_START_TIME_ASC",
+        "limit": 20,
+    }
     return prefect_api("POST", f"{api}/flow_runs/filter", json=body).json()
 
 
@@ -93,7 +109,7 @@ def test_a_cron_schedule_creates_runs_and_the_worker_runs_one(live_stack, tmp_pa
     starts = [datetime.fromisoformat(r["expected_start_time"]) for r in upcoming]
     assert len(starts) >= 3 and all(r["auto_scheduled"] for r in upcoming)
     assert all((t.weekday(), t.hour, t.minute, t.utcoffset()) == (0, 3, 0, timedelta(0)) for t in starts)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     assert now < starts[0] <= now + timedelta(days=7)
     assert [b - a for a, b in zip(starts, starts[1:])] == [timedelta(days=7)] * (len(starts) - 1)
     # a Monday-03:00 run must not fire into the test session and train the repo's own recipe
@@ -101,18 +117,30 @@ def test_a_cron_schedule_creates_runs_and_the_worker_runs_one(live_stack, tmp_pa
     until(lambda: not scheduled_runs(api, weekly["id"]), 30, "pausing left the weekly deployment's runs scheduled")
 
     flow = prefect_api("POST", f"{api}/flows/", json={"name": "schedule-probe"}).json()
-    probe = prefect_api("POST", f"{api}/deployments/", json={
-        "name": "every-minute", "flow_id": flow["id"], "entrypoint": "tests/schedule_probe.py:schedule_probe",
-        "work_pool_name": "tessera-local", "parameters": {"marker": str(tmp_path / "marker")},
-        "pull_steps": [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
-        "schedules": [{"schedule": {"cron": "* * * * *", "timezone": "UTC"}, "active": True}],
-    }).json()  # fmt: skip
+    probe = prefect_api(
+        "POST",
+        f"{api}/deployments/",
+        json={
+            "name": "every-minute",
+            "flow_id": flow["id"],
+            "entrypoint": "tests/schedule_probe.py:schedule_probe",
+            "work_pool_name": "tessera-local",
+            "parameters": {"marker": str(tmp_path / "marker")},
+            "pull_steps": [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
+            "schedules": [{"schedule": {"cron": "* * * * *", "timezone": "UTC"}, "active": True}],
+        },
+    ).json()
     try:
         until(lambda: scheduled_runs(api, probe["id"]), 90, "the one-minute cron created no scheduled run")
 
         def completed() -> list[dict]:
-            body = {"flow_runs": {"deployment_id": {"any_": [probe["id"]]},
-                                  "state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED"]}}}, "limit": 5}  # fmt: skip
+            body = {
+                "flow_runs": {
+                    "deployment_id": {"any_": [probe["id"]]},
+                    "state": {"type": {"any_": ["COMPLETED", "FAILED", "CRASHED"]}},
+                },
+                "limit": 5,
+            }
             return prefect_api("POST", f"{api}/flow_runs/filter", json=body).json()
 
         done = until(completed, 180, "no scheduled run of the one-minute cron finished")
@@ -146,20 +174,27 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
     assert weekly["parameters"] == {"params": {"recipe": "configs/tiny.yaml", "new_data": "data/incoming"}}
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in weekly["schedules"]] == [
-        ("0 3 * * 1", "UTC", True)]  # fmt: skip
+        ("0 3 * * 1", "UTC", True)
+    ]
 
     limits = {}
     for name in PARAMS:
         d = deployment(api, name)
         limit = d["global_concurrency_limit"]
         limits[name] = limit and (limit["limit"], d["concurrency_options"]["collision_strategy"])
-    assert limits == {"pretrain_pipeline/pretrain": None, "prepare_data/prepare": (1, "ENQUEUE"),
-                      "tessera-eval/eval": (2, "ENQUEUE"), "continued_pretraining/continue": (1, "ENQUEUE"),
-                      "continued_pretraining/continued-pretraining-weekly": (1, "CANCEL_NEW")}  # fmt: skip
+    assert limits == {
+        "pretrain_pipeline/pretrain": None,
+        "prepare_data/prepare": (1, "ENQUEUE"),
+        "tessera-eval/eval": (2, "ENQUEUE"),
+        "continued_pretraining/continue": (1, "ENQUEUE"),
+        "continued_pretraining/continued-pretraining-weekly": (1, "CANCEL_NEW"),
+    }
 
     pool = httpx.get(f"{api}/work_pools/tessera-local", timeout=10).json()
     assert pool["type"] == "process"
-    workers = httpx.post(f"{api}/work_pools/tessera-local/workers/filter", json={"limit": 10, "offset": 0}, timeout=10).json()
+    workers = httpx.post(
+        f"{api}/work_pools/tessera-local/workers/filter", json={"limit": 10, "offset": 0}, timeout=10
+    ).json()
     assert [w["status"] for w in workers if w["name"] == live_stack.state["worker_name"]] == ["ONLINE"]
 
     assert httpx.get(f"{live_stack.mlflow_url}/health", timeout=10).text == "OK"
@@ -205,12 +240,17 @@ def test_deploy_without_a_server_says_how_to_start_one(tmp_path):
     run = tessera("deploy", env={"PREFECT_API_URL": dead})
     assert run.returncode == 2 and run.stdout == ""
     assert len(run.stderr.splitlines()) == 1
-    assert run.stderr.startswith(f"tessera: error: the Prefect server at {dead} does not answer") and "`tessera up`" in run.stderr
+    assert (
+        run.stderr.startswith(f"tessera: error: the Prefect server at {dead} does not answer")
+        and "`tessera up`" in run.stderr
+    )
 
     # no server configured at all: no PREFECT_API_URL and an empty profile
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path), PREFECT_PROFILES_PATH=str(tmp_path / "profiles.toml"))
-    unset = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True)
+    unset = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert unset.returncode == 2
     assert unset.stderr.splitlines() == [
         "tessera: error: no Prefect server configured (PREFECT_API_URL is not set); start one with `tessera up`"
@@ -221,10 +261,17 @@ def test_deploy_without_a_server_says_how_to_start_one(tmp_path):
     ("old", "new", "message"),
     [
         ("deployments:\n", "deployments: [\n", ":{line}: invalid YAML: expected the node content, but found '-'"),
-        ("      limit: 1\n", "      limit: lots\n",
-         ": deployments.1.concurrency_limit.limit: Input should be a valid integer, unable to parse string as an integer"),
-        ("    work_pool: *tessera_local\n\n  - name: prepare", "    work_pool: {name: gpu}\n\n  - name: prepare",
-         ": deployments.0 (pretrain): work pool 'gpu' is not under definitions.work_pools"),
+        (
+            "      limit: 1\n",
+            "      limit: lots\n",
+            ": deployments.1.concurrency_limit.limit: Input should be a valid integer, unable to parse string as an "
+            "integer",
+        ),
+        (
+            "    work_pool: *tessera_local\n\n  - name: prepare",
+            "    work_pool: {name: gpu}\n\n  - name: prepare",
+            ": deployments.0 (pretrain): work pool 'gpu' is not under definitions.work_pools",
+        ),
     ],
 )
 def test_a_bad_prefect_yaml_is_one_line(tmp_path, old, new, message):
@@ -252,11 +299,20 @@ def test_up_on_a_port_in_use_says_so_and_starts_nothing(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         mlflow_port = free_port()
-        run = tessera("up", str(tiny_recipe(tmp_path)), "--work-dir", str(tmp_path / "work"),
-                      "--prefect-port", str(port), "--mlflow-port", str(mlflow_port))  # fmt: skip
+        run = tessera(
+            "up",
+            str(tiny_recipe(tmp_path)),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--prefect-port",
+            str(port),
+            "--mlflow-port",
+            str(mlflow_port),
+        )
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == [
-        f"tessera: error: --prefect-port {port}: 127.0.0.1:{port} is already in use; pick another port or stop what listens there"
+        f"tessera: error: --prefect-port {port}: 127.0.0.1:{port} is already in use; pick another port or stop what "
+        "listens there"
     ]
     assert _ours(tmp_path) == [] and not answers(f"http://127.0.0.1:{mlflow_port}/health")
 
@@ -272,8 +328,9 @@ def test_a_service_dying_during_start_up_is_one_line_and_stops_the_rest(tmp_path
     assert lines[-1] == f"tessera: error: mlflow exited during start-up (exit code 1); see {log}"
     # what MLflow logged as it died is said too, each line naming its log
     said = lines[:-1]
-    assert said and all(line.startswith("tessera up: mlflow logged an error: ") and line.endswith(f"(see {log})")
-                        for line in said)  # fmt: skip
+    assert said and all(
+        line.startswith("tessera up: mlflow logged an error: ") and line.endswith(f"(see {log})") for line in said
+    )
     assert any("ModuleNotFoundError: No module named 'MySQLdb'" in line for line in said)
     # the Prefect server it had started is gone with it
     assert not answers(f"http://127.0.0.1:{prefect_port}/api/health")
@@ -298,8 +355,9 @@ def test_mlflow_stops_and_restarts_on_its_port_while_the_stack_stays_up(live_sta
     live_stack.mlflow_stop()
     assert live_stack.process.poll() is None and answers(f"{live_stack.api_url}/health")
     live_stack.mlflow_start()
-    experiments = httpx.post(f"{live_stack.mlflow_url}/api/2.0/mlflow/experiments/search", json={"max_results": 10},
-                             timeout=10)  # fmt: skip
+    experiments = httpx.post(
+        f"{live_stack.mlflow_url}/api/2.0/mlflow/experiments/search", json={"max_results": 10}, timeout=10
+    )
     assert experiments.status_code == 200
     assert live_stack.process.poll() is None
 
@@ -318,8 +376,10 @@ def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
         deployed = tessera("deploy", "pretrain", env={"PREFECT_API_URL": api})  # one deployment, one line
         assert deployed.returncode == 0, deployed.stderr
         pretrain = deployment(api, "pretrain_pipeline/pretrain")
-        assert deployed.stdout.split() == ["pretrain_pipeline/pretrain",
-                                           f"http://127.0.0.1:{prefect_port}/deployments/deployment/{pretrain['id']}"]
+        assert deployed.stdout.split() == [
+            "pretrain_pipeline/pretrain",
+            f"http://127.0.0.1:{prefect_port}/deployments/deployment/{pretrain['id']}",
+        ]
         assert pretrain["work_pool_name"] == "tessera-local"
         run_deployment(api, "pretrain_pipeline/pretrain", {"recipe": str(recipe)})
         # wait until a trainer runs: flow run and trainer live in sessions of their own
@@ -341,11 +401,19 @@ def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
         import sqlite3
 
         with sqlite3.connect(tmp_path / "work" / "prefect" / "prefect.db") as db:
-            rows = db.execute("SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr JOIN flow_run_state s "
-                              "ON s.id = fr.state_id WHERE fr.parent_task_run_id IS NULL").fetchall()  # fmt: skip
-        assert rows == [("CANCELLED", "Cancelled", "stopped by `tessera up` shutting down (SIGTERM): every rank of run "
-                         "'tiny' was stopped; its last complete checkpoint stays, and a rerun of the same run name "
-                         "resumes from it")]  # fmt: skip
+            rows = db.execute(
+                "SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr JOIN flow_run_state s "
+                "ON s.id = fr.state_id WHERE fr.parent_task_run_id IS NULL"
+            ).fetchall()
+        assert rows == [
+            (
+                "CANCELLED",
+                "Cancelled",
+                "stopped by `tessera up` shutting down (SIGTERM): every rank of run "
+                "'tiny' was stopped; its last complete checkpoint stays, and a rerun of the same run name "
+                "resumes from it",
+            )
+        ]
     finally:
         if up.poll() is None:
             stop_tree(started_by(up.pid))

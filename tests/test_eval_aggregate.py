@@ -88,6 +88,15 @@ def test_reference_gauntlet_tolerates_its_missing_programming_category():
     wk = [b for b in scores.benchmarks if b.category == "world_knowledge"]
     assert scores.categories["world_knowledge"] == pytest.approx(sum(b.score for b in wk) / len(wk))
     assert scores.averages["core_average"] == pytest.approx(
-        sum(scores.categories[c] for c in ("world_knowledge", "commonsense_reasoning", "language_understanding",
-                                           "symbolic_problem_solving", "reading_comprehension")) / 5  # fmt: skip
+        sum(
+            scores.categories[c]
+            for c in (
+                "world_knowledge",
+                "commonsense_reasoning",
+                "language_understanding",
+                "symbolic_problem_solving",
+                "reading_comprehension",
+            )
+        )
+        / 5
     )

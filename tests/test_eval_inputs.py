@@ -59,8 +59,19 @@ def test_yaml_errors_name_the_task_and_field():
         parse_tasks({"icl_tasks": [{"label": "x", "dataset_uri": "a", "num_fewshot": [0], "icl_task_type": "essay"}]})
     assert "'essay'" in str(err.value) and "language_modeling" in str(err.value) and "schema" in str(err.value)
     with pytest.raises(GauntletError, match=r"task 'x': field 'num_fewshots'"):
-        parse_tasks({"icl_tasks": [{"label": "x", "dataset_uri": "a", "num_fewshots": [0], "num_fewshot": [0],
-                                    "icl_task_type": "schema"}]})  # fmt: skip
+        parse_tasks(
+            {
+                "icl_tasks": [
+                    {
+                        "label": "x",
+                        "dataset_uri": "a",
+                        "num_fewshots": [0],
+                        "num_fewshot": [0],
+                        "icl_task_type": "schema",
+                    }
+                ]
+            }
+        )
     with pytest.raises(GauntletError, match="rescale_accuracy requires subtract_random_baseline"):
         parse_gauntlet({"eval_gauntlet": {"subtract_random_baseline": False, "categories": []}})
 
@@ -106,7 +117,9 @@ def test_has_categories_scores_each_category_then_averages(tmp_path):
         "icl_tasks:\n- {label: cat, dataset_uri: cat.jsonl, num_fewshot: [0], icl_task_type: language_modeling,"
         " has_categories: true}\n"
     )
-    report = run_gauntlet(model, tok, EvalConfig(every=1, tasks=str(tmp_path / "tasks.yaml"), data_root=str(tmp_path)), 16)
+    report = run_gauntlet(
+        model, tok, EvalConfig(every=1, tasks=str(tmp_path / "tasks.yaml"), data_root=str(tmp_path)), 16
+    )
     (result,) = report.tasks
     assert result.categories == {"a": pytest.approx(1 / 3), "b": 1.0}
     assert result.accuracy == pytest.approx((1 / 3 + 1) / 2)  # mean of categories, not of examples
@@ -128,7 +141,8 @@ def test_task_files_and_yamls_resolve_under_an_s3_root(s3_bucket, tmp_path):
     s3_bucket.put_object(
         Bucket="evals",
         Key="g/tasks.yaml",
-        Body=b"icl_tasks:\n- {label: lm, dataset_uri: eval/lm.jsonl, num_fewshot: [0], icl_task_type: language_modeling}\n"
+        Body=b"icl_tasks:\n- {label: lm, dataset_uri: eval/lm.jsonl, num_fewshot: [0], "
+        b"icl_task_type: language_modeling}\n"
         b"- {label: gone, dataset_uri: eval/gone.jsonl, num_fewshot: [0], icl_task_type: language_modeling}\n",
     )
     cfg = EvalConfig(every=1, tasks="s3://evals/g/tasks.yaml", data_root="s3://evals/g")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-
 from evaluation.prompts import Record, fewshot_indices, prepare_split, prompt_texts, validate_records
 from evaluation.spec import TaskSpec
 from tests.support.gauntlet import word_tokenizer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from evaluation.report import GauntletReport, TaskResult, compare_markdown
 from evaluation.mlflow_report import metric_key
+from evaluation.report import GauntletReport, TaskResult, compare_markdown
 
 
 def _report(copa: float, lambada: float) -> GauntletReport:

@@ -132,8 +132,14 @@ def test_shared_prefix_pass_equals_full_rows_on_a_real_llama():
     tok = word_tokenizer(words)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+        transformers.LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
     ).eval()
     g = torch.Generator().manual_seed(1)
 
@@ -142,8 +148,12 @@ def test_shared_prefix_pass_equals_full_rows_on_a_real_llama():
 
     mc = TaskSpec(label="mc", dataset_uri="x", num_fewshot=[2], icl_task_type="multiple_choice")
     sc = TaskSpec(label="sc", dataset_uri="x", num_fewshot=[2], icl_task_type="schema")
-    mc_rows = [{"query": phrase(3 + i % 4), "choices": [phrase(1 + j) for j in range(3)], "gold": i % 3} for i in range(9)]
-    sc_rows = [{"context_options": [phrase(2 + i % 3), phrase(4)], "continuation": phrase(2), "gold": i % 2} for i in range(9)]
+    mc_rows = [
+        {"query": phrase(3 + i % 4), "choices": [phrase(1 + j) for j in range(3)], "gold": i % 3} for i in range(9)
+    ]
+    sc_rows = [
+        {"context_options": [phrase(2 + i % 3), phrase(4)], "continuation": phrase(2), "gold": i % 2} for i in range(9)
+    ]
     one_token = [{"query": phrase(4), "choices": [phrase(1) for _ in range(4)], "gold": 0} for _ in range(5)]
     for task, rows in ((mc, mc_rows), (sc, sc_rows), (mc, one_token)):
         recs = validate_records(task, "x", list(enumerate(rows, 1)))
@@ -168,8 +178,14 @@ def test_scores_equal_full_logits_and_each_shared_state_is_projected_once():
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+        transformers.LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
     ).eval()
     # Choices 0 and 1 share their first continuation token, so both of their tokens are predicted
     # from states they share with another row: 2 distinct states for 5 tokens in each item.

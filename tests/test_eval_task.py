@@ -30,9 +30,14 @@ def _tokenizer():
 def _llama(vocab: int, seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -104,8 +109,9 @@ def mlflow_run(mlflow_uri, tmp_path):
     return client, client.create_run(exp).info.run_id
 
 
-def test_a_damaged_checkpoint_is_not_scored(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint, small_gauntlet,
-                                            tmp_path):  # fmt: skip
+def test_a_damaged_checkpoint_is_not_scored(
+    prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint, small_gauntlet, tmp_path
+):
     """Bytes flipped in a tensor load silently with torch.load; the evaluation refuses them in one line."""
     from prefect import flow
 
@@ -130,8 +136,9 @@ def test_a_damaged_checkpoint_is_not_scored(prefect_harness, mlflow_run, mlflow_
         one()
 
 
-def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(composer_checkpoint, small_gauntlet, tmp_path,
-                                                                    capsys):  # fmt: skip
+def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
+    composer_checkpoint, small_gauntlet, tmp_path, capsys
+):
     """With the kubernetes backend the gauntlet runs in `python -m evaluation`; it checks the manifest's SHA-256
     (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
     from evaluation.__main__ import EXIT_BAD_INPUT, _verified, main, parse_args
@@ -151,8 +158,18 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(composer_ch
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(bytes(data))
-    common = ["--tasks", small_gauntlet.tasks, "--data-root", small_gauntlet.data_root, "--tracking-uri",
-              tracking.tracking_uri, "--run-id", "run", "--step", "4096"]  # fmt: skip
+    common = [
+        "--tasks",
+        small_gauntlet.tasks,
+        "--data-root",
+        small_gauntlet.data_root,
+        "--tracking-uri",
+        tracking.tracking_uri,
+        "--run-id",
+        "run",
+        "--step",
+        "4096",
+    ]
     assert main(["--checkpoint", str(damaged), *common]) == EXIT_BAD_INPUT
     assert capsys.readouterr().err.startswith(
         f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: CRC-32 mismatch in "
@@ -167,8 +184,9 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(composer_ch
     assert not (tmp_path / "m.db").exists()  # refused before anything was logged
 
 
-def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint,
-                                                        small_gauntlet):  # fmt: skip
+def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(
+    prefect_harness, mlflow_run, mlflow_uri, composer_checkpoint, small_gauntlet
+):
     from prefect import flow
 
     from tasks.artifacts import artifact_key
@@ -192,9 +210,13 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_
     assert summary.metrics == pytest.approx(expected.metrics())
     assert summary.average == pytest.approx(expected.averages["core_average"])
     assert set(summary.metrics) == {
-        "icl/lambada_openai_small/0-shot", "icl/copa/0-shot", "icl/winograd/0-shot",
-        "gauntlet/commonsense_reasoning", "gauntlet/language_understanding", "gauntlet/core_average",
-    }  # fmt: skip
+        "icl/lambada_openai_small/0-shot",
+        "icl/copa/0-shot",
+        "icl/winograd/0-shot",
+        "gauntlet/commonsense_reasoning",
+        "gauntlet/language_understanding",
+        "gauntlet/core_average",
+    }
 
     history = client.get_metric_history(run_id, "gauntlet/core_average")
     assert sorted((m.step, m.value) for m in history) == [
@@ -214,8 +236,9 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(prefect_harness, mlflow_
     assert "| copa | 0 | multiple_choice |" in artifact.data
 
 
-def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_run, mlflow_uri, small_gauntlet, tmp_path,
-                                                       monkeypatch):  # fmt: skip
+def test_eval_command_scores_mlflow_uri_against_hf_dir(
+    prefect_harness, mlflow_run, mlflow_uri, small_gauntlet, tmp_path, monkeypatch
+):
     from flows.evaluate import eval_command
 
     cwd = tmp_path / "cwd"
@@ -249,7 +272,13 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(prefect_harness, mlflow_r
     assert out.baseline_average is not None
     assert f"({out.average - out.baseline_average:+.4f})" in out.markdown
     assert sorted(Path(f).name for f in out.files) == [
-        "comparison.html", "comparison.md", "comparison.png", "report.html", "report.json", "report.md"]  # fmt: skip
+        "comparison.html",
+        "comparison.md",
+        "comparison.png",
+        "report.html",
+        "report.json",
+        "report.md",
+    ]
     assert "data:image/png;base64," in (tmp_path / "report" / "comparison.html").read_text()  # the plot travels inline
     assert list(cwd.iterdir()) == []
     assert downloads() == before  # the model's download is gone once it is loaded
@@ -259,7 +288,9 @@ def test_eval_command_raises_one_line_gauntlet_errors(prefect_harness, tmp_path)
     from evaluation.errors import GauntletError
     from flows.evaluate import eval_command
 
-    with pytest.raises(GauntletError, match=r"nowhere\.pt: no such checkpoint file, HF model directory or MLflow model URI"):
+    with pytest.raises(
+        GauntletError, match=r"nowhere\.pt: no such checkpoint file, HF model directory or MLflow model URI"
+    ):
         eval_command(str(tmp_path / "nowhere.pt"), str(ROOT / "configs" / "gauntlet" / "tiny_tasks.yaml"))
 
 

@@ -74,7 +74,9 @@ def test_a_slot_a_live_flow_run_holds_is_never_reclaimed(prefect_harness):
             with get_client(sync_client=True) as client:
                 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-                held = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[holder_tag(name)])))
+                held = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[holder_tag(name)]))
+                )
             if held:
                 break
             assert time.monotonic() < deadline, "the first run never took the slot"
@@ -105,7 +107,11 @@ def test_a_refusal_ends_the_flow_run_refused_with_its_reason_and_no_error_log(pr
     with pytest.raises(Abort) as ended:
         refused_probe()
     state = ended.value.state
-    assert (state.type.value, state.name, state.message) == ("CANCELLED", REFUSED, "run 'x' is already running in flow run 'y'")
+    assert (state.type.value, state.name, state.message) == (
+        "CANCELLED",
+        REFUSED,
+        "run 'x' is already running in flow run 'y'",
+    )
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         stored = client.read_flow_run(flow_run_id).state

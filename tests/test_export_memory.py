@@ -30,27 +30,35 @@ def _load_in_a_fresh_process(path) -> tuple[int, float]:
 def _small_checkpoint(folder) -> tuple:
     """(checkpoint path, tokenizer): the tiny model after one AdamW step, as the trainer saves it."""
     from composer import Trainer
+    from transformers import AutoTokenizer
 
+    from tests.support.training import write_hf_tokenizer
     from trainers.build import _wrap
     from trainers.config import ModelConfig
     from trainers.model import build_model
-    from tests.support.training import write_hf_tokenizer
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(write_hf_tokenizer(folder / "tok", vocab_size=512))
     model = _wrap(build_model(ModelConfig(), len(tok), 32, 0, seed=1), tok)
     rows = torch.randint(0, len(tok), (2, 16))
-    Trainer(model=model, optimizers=torch.optim.AdamW(model.parameters()), device="cpu", progress_bar=False,
-            train_dataloader=torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=2),
-            max_duration="1ba", save_folder=str(folder), save_filename="small.pt", save_interval="1ba",
-            loggers=[]).fit()  # fmt: skip
+    Trainer(
+        model=model,
+        optimizers=torch.optim.AdamW(model.parameters()),
+        device="cpu",
+        progress_bar=False,
+        train_dataloader=torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=2),
+        max_duration="1ba",
+        save_folder=str(folder),
+        save_filename="small.pt",
+        save_interval="1ba",
+        loggers=[],
+    ).fit()
     return folder / "small.pt", tok
 
 
 def test_loading_for_evaluation_takes_the_mapped_weights_as_they_are(tmp_path):
     """No init kernel and no copy: the memory-mapped tensors become the parameters (one copy in memory)."""
-    from trainers.format.export import load_hf
     from trainers.config import ModelConfig
+    from trainers.format.export import load_hf
     from trainers.model import build_model
 
     path, tok = _small_checkpoint(tmp_path)

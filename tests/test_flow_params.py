@@ -10,8 +10,8 @@ import pytest
 from flows.outcome import form_values
 from flows.pipeline import PipelineParams
 from flows.recipe import NAME_PATTERN, RecipeError, apply_overrides, load_recipe
-from tasks.train import exit_kind
 from tasks.artifacts import artifact_key
+from tasks.train import exit_kind
 from tasks.train_progress import ProgressRelay, Rate, describe, progress_bar
 from tests.conftest import ROOT
 
@@ -20,8 +20,9 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def test_overrides_change_only_what_the_form_sets():
     recipe = load_recipe(TINY)
-    params = PipelineParams(recipe=str(TINY), lr=1e-3, eval_every=8192, stage_tokens={"stories": 8192},
-                            tracking_uri="http://127.0.0.1:5000")  # fmt: skip
+    params = PipelineParams(
+        recipe=str(TINY), lr=1e-3, eval_every=8192, stage_tokens={"stories": 8192}, tracking_uri="http://127.0.0.1:5000"
+    )
     edited = apply_overrides(recipe, params, str(TINY))
     assert edited.train.optim.lr == 1e-3 and recipe.train.optim.lr == 3e-3  # a new recipe, the old one untouched
     assert edited.eval.every == 8192
@@ -52,7 +53,10 @@ def test_form_fields_are_plain_inputs_whose_bounds_are_schema_constraints_and_sa
     assert schema["required"] == ["recipe"]
     # one plain input each, starting empty: no `str | None` switch, no null default the UI would reject
     assert {k: v for k, v in props["lr"].items() if k not in ("title", "description")} == {
-        "exclusiveMinimum": 0, "maximum": 1, "type": "number"}  # fmt: skip
+        "exclusiveMinimum": 0,
+        "maximum": 1,
+        "type": "number",
+    }
     assert "above 0 and at most 1" in props["lr"]["description"]
     assert (props["procs_per_node"]["minimum"], props["procs_per_node"]["maximum"]) == (1, 64)
     assert "1 to 64" in props["procs_per_node"]["description"]
@@ -71,8 +75,10 @@ def test_a_value_the_form_should_have_refused_is_one_line_in_the_flow():
     """The UI's "Validate parameters" switched off: the flow checks the same bounds first thing."""
     with pytest.raises(RecipeError) as info:
         form_values(PipelineParams, {"recipe": "configs/tiny.yaml", "lr": 5})
-    assert str(info.value) == ("form field lr 5: Input should be less than or equal to 1 (Peak learning rate "
-                               "(train.optim.lr): above 0 and at most 1.)")  # fmt: skip
+    assert str(info.value) == (
+        "form field lr 5: Input should be less than or equal to 1 (Peak learning rate "
+        "(train.optim.lr): above 0 and at most 1.)"
+    )
     with pytest.raises(RecipeError, match=r"^form field stage_tokens.0.tokens -8: Input should be greater than 0"):
         form_values(PipelineParams, {"recipe": "r.yaml", "stage_tokens": [{"stage": "literary", "tokens": -8}]})
     with pytest.raises(RecipeError, match=r"^form field recipe: Field required \(Path to the recipe YAML"):
@@ -94,18 +100,35 @@ def test_tracked_params_name_every_stage_and_the_optimizer():
     assert all(isinstance(v, str) and len(v) <= 6000 for v in params.values())
 
 
-@pytest.mark.parametrize(("code", "kind"), [
-    (0, "ok"), (78, "fatal"), (2, "fatal"),             # the trainer's fatal code, argparse usage
-    (-9, "preempted"), (137, "preempted"), (76, "preempted"),  # SIGKILL (Popen, shell), the trainer after SIGTERM
-    (75, "failed"), (1, "failed"),                      # the trainer's retryable failures, an unexpected crash
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (0, "ok"),
+        (78, "fatal"),
+        (2, "fatal"),  # the trainer's fatal code, argparse usage
+        (-9, "preempted"),
+        (137, "preempted"),
+        (76, "preempted"),  # SIGKILL (Popen, shell), the trainer after SIGTERM
+        (75, "failed"),
+        (1, "failed"),  # the trainer's retryable failures, an unexpected crash
+    ],
+)
 def test_exit_codes_draw_on_the_right_budget(code, kind):
     assert exit_kind(code) == kind
 
 
 def _line(tokens: int, rate: float = 1000.0) -> str:
-    progress = {"stage": "literary", "stage_index": 0, "step": tokens // 1024, "tokens": tokens, "stage_start": 0,
-                "stage_end": 32768, "loss": 7.25, "tokens_per_sec": rate, "elapsed_s": 1.0}  # fmt: skip
+    progress = {
+        "stage": "literary",
+        "stage_index": 0,
+        "step": tokens // 1024,
+        "tokens": tokens,
+        "stage_start": 0,
+        "stage_end": 32768,
+        "loss": 7.25,
+        "tokens_per_sec": rate,
+        "elapsed_s": 1.0,
+    }
     return "tessera.progress " + json.dumps(progress)
 
 
@@ -117,27 +140,41 @@ def test_relay_reports_the_newest_progress_at_a_bounded_rate(caplog):
         relay.feed([_line(2048), "more noise", _line(16384)])  # within the interval: kept, not said
         relay.close()  # the end of a launch says the newest
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [describe(json.loads(_line(1024)[len("tessera.progress "):])),
-                     describe(json.loads(_line(16384)[len("tessera.progress "):]))]  # fmt: skip
+    assert lines == [
+        describe(json.loads(_line(1024)[len("tessera.progress ") :])),
+        describe(json.loads(_line(16384)[len("tessera.progress ") :])),
+    ]
     assert lines[1] == "stage literary: step 16, 16,384/32,768 tokens (50%), loss 7.2500, 1,000 tok/s, ETA 16s"
 
 
 def _start(kind: str, tokens: int, **extra) -> str:
-    record = {"stage": "literary", "stage_index": 0, "kind": kind, "tokens": tokens, "step": tokens // 1024,
-              "checkpoint": f"/ck/ep0-ba{tokens // 1024}.pt" if tokens else None,
-              "written": "2026-11-25T10:57:12+00:00" if tokens else None, **extra}  # fmt: skip
+    record = {
+        "stage": "literary",
+        "stage_index": 0,
+        "kind": kind,
+        "tokens": tokens,
+        "step": tokens // 1024,
+        "checkpoint": f"/ck/ep0-ba{tokens // 1024}.pt" if tokens else None,
+        "written": "2026-11-25T10:57:12+00:00" if tokens else None,
+        **extra,
+    }
     return "tessera.start " + json.dumps(record)
 
 
 def test_the_log_says_where_each_launch_starts(caplog):
     logger = logging.getLogger("test.relay.start")
     with caplog.at_level(logging.INFO, logger="test.relay.start"):
-        for line in (_start("fresh", 0), _start("resume", 16384), _start("done", 32768),
-                     _start("fresh", 0, init_from="models:/tessera-tiny/2")):  # fmt: skip
+        for line in (
+            _start("fresh", 0),
+            _start("resume", 16384),
+            _start("done", 32768),
+            _start("fresh", 0, init_from="models:/tessera-tiny/2"),
+        ):
             ProgressRelay(logger, "chain", "literary", artifacts=False).feed(["noise", line])
     assert [r.getMessage() for r in caplog.records] == [
         "stage literary: starting run chain fresh",
-        "stage literary: resuming run chain from the checkpoint at 16,384 tokens (step 16), written 2026-11-25 10:57:12 UTC",
+        "stage literary: resuming run chain from the checkpoint at 16,384 tokens (step 16), "
+        "written 2026-11-25 10:57:12 UTC",
         "stage literary: already complete at 32,768 tokens; nothing to train",
         "stage literary: starting run chain fresh from the weights of models:/tessera-tiny/2",
     ]

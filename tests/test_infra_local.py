@@ -25,9 +25,7 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    job = backend_for(ComputeConfig(procs_per_node=2)).launch(
-        "tests.launch_probe", ["exit", "75"], log_dir=tmp_path
-    )
+    job = backend_for(ComputeConfig(procs_per_node=2)).launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path)
     assert job.wait(timeout=120) == 75  # rank 0's retryable code reaches the supervisor unchanged
     assert "rank=0 world=2 master=127.0.0.1" in job.log_path.read_text()
     assert "rank=1 world=2 master=127.0.0.1" in (tmp_path / "rank1.stdout.log").read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import kubernetes_validate
-import pytest
 import yaml
 
 from flows.cli import main
@@ -37,8 +36,10 @@ def test_render_prints_valid_manifests_of_the_stage(tmp_path, capsys):
     job.write_text(job_json("tiny"))
     assert main(["k8s", "render", recipe, "--stage", "1", "--attempt", "2"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [("ConfigMap", "tessera-tiny-s1-a2"),
-                                                                  ("JobSet", "tessera-tiny-s1-a2")]  # fmt: skip
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("ConfigMap", "tessera-tiny-s1-a2"),
+        ("JobSet", "tessera-tiny-s1-a2"),
+    ]
     assert docs[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert json.loads(docs[0]["data"]["job.json"])["save_folder"] == "/var/tessera/work/checkpoints"
     kubernetes_validate.validate(docs[0], kubernetes_validate.latest_version(), strict=True)
@@ -57,7 +58,8 @@ def test_status_lists_the_live_objects_of_a_run(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig(tmp_path / "kubeconfig")))
         (tmp_path / "job.json").write_text(job_json("tiny"))
         job = KubernetesBackend(compute(GPU_KUEUE)).launch(
-            "trainers.train", ["--job", str(tmp_path / "job.json"), "--stage", "0"], log_dir=tmp_path / "logs")
+            "trainers.train", ["--job", str(tmp_path / "job.json"), "--stage", "0"], log_dir=tmp_path / "logs"
+        )
         server.cluster.start_pods(server.cluster.wait_for("JobSet"))
         assert main(["k8s", "status", "tiny", "--namespace", "training"]) == 0
         out = capsys.readouterr().out.splitlines()

@@ -8,7 +8,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from infra import kube_api, kubernetes as launcher
+from infra import kube_api
+from infra import kubernetes as launcher
 from tests.conftest import ROOT
 from tests.test_k8s_manifests import K8S_VERSIONS
 
@@ -39,22 +40,41 @@ def test_rbac_grants_exactly_what_the_launcher_calls():
     source = (ROOT / "infra" / "kube_api.py").read_text()
     calls = set(re.findall(r"(create|read|list|delete)_namespaced_(\w+?)(?:_log)?\b", source))
     used = {("get" if verb == "read" else verb, kind) for verb, kind in calls}
-    assert used <= {("create", "config_map"), ("get", "config_map"), ("delete", "config_map"), ("list", "config_map"),
-                    ("create", "service"), ("get", "service"), ("delete", "service"), ("list", "service"),
-                    ("create", "job"), ("get", "job"), ("delete", "job"), ("list", "job"), ("list", "pod"),
-                    ("get", "pod"), ("list", "event"), ("create", "custom_object"), ("get", "custom_object"),
-                    ("delete", "custom_object"), ("list", "custom_object")}, used  # fmt: skip
+    assert used <= {
+        ("create", "config_map"),
+        ("get", "config_map"),
+        ("delete", "config_map"),
+        ("list", "config_map"),
+        ("create", "service"),
+        ("get", "service"),
+        ("delete", "service"),
+        ("list", "service"),
+        ("create", "job"),
+        ("get", "job"),
+        ("delete", "job"),
+        ("list", "job"),
+        ("list", "pod"),
+        ("get", "pod"),
+        ("list", "event"),
+        ("create", "custom_object"),
+        ("get", "custom_object"),
+        ("delete", "custom_object"),
+        ("list", "custom_object"),
+    }, used
     assert ("get", "pod") in used  # read_namespaced_pod_log: pods/log get
     assert launcher and kube_api
 
 
 def test_k8s_pool_job_variables_are_the_kubernetes_workers_own():
-    worker = pytest.importorskip("prefect_kubernetes.worker", reason="the k8s extra (prefect-kubernetes) is not installed")
+    worker = pytest.importorskip(
+        "prefect_kubernetes.worker", reason="the k8s extra (prefect-kubernetes) is not installed"
+    )
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     pool = spec["definitions"]["work_pools"]["tessera_k8s"]
     assert (pool["name"], pool["type"]) == ("tessera-k8s", "kubernetes")
     template = worker.KubernetesWorker.get_default_base_job_template()
     assert set(pool["job_variables"]) <= set(template["variables"]["properties"])
     assert spec["definitions"]["tessera_k8s_pull"] == [
-        {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/tessera"}}]
+        {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/tessera"}}
+    ]
     assert "WORKDIR /opt/tessera" in (ROOT / "infra" / "Dockerfile").read_text()

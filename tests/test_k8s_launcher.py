@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from infra import allow_launches, cancel_all
-from infra.lifecycle import forget
 from infra.kubernetes import KubernetesBackend, KubernetesJob
+from infra.lifecycle import forget
 from infra.manifests import SUPERVISOR_ENV
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.variants import CPU_ONE_NODE, GPU_TWO_NODES, INDEXED_JOB, compute, job_json
 
-PROGRESS = ('tessera.progress {"stage":"s0","stage_index":0,"step":4,"tokens":4096,"stage_start":0,'
-            '"stage_end":8192,"loss":3.5,"tokens_per_sec":1000.0,"elapsed_s":4.0}\n')
+PROGRESS = (
+    'tessera.progress {"stage":"s0","stage_index":0,"step":4,"tokens":4096,"stage_start":0,'
+    '"stage_end":8192,"loss":3.5,"tokens_per_sec":1000.0,"elapsed_s":4.0}\n'
+)
 
 
 @pytest.fixture()
@@ -66,8 +67,12 @@ def _launch(tmp_path, raw, stage=0, run="tiny"):
     job_file = tmp_path / f"job-{run}.json"
     job_file.write_text(job_json(run))
     backend = KubernetesBackend(compute(raw))
-    return backend.launch("trainers.train", ["--job", str(job_file), "--stage", str(stage)], log_dir=tmp_path / "logs",
-                          env={"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: "1"})  # fmt: skip
+    return backend.launch(
+        "trainers.train",
+        ["--job", str(job_file), "--stage", str(stage)],
+        log_dir=tmp_path / "logs",
+        env={"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: "1"},
+    )
 
 
 def _end(job, api) -> str:
@@ -86,7 +91,9 @@ def test_success_streams_pod0_and_deletes_everything(api, tmp_path):
         c.log(pods[0], "starting\n" + PROGRESS)
         for p in pods:
             c.terminate(p, 0)
-        c.set_condition("JobSet", js["metadata"]["name"], "Completed", "AllJobsCompleted", "jobset completed successfully")
+        c.set_condition(
+            "JobSet", js["metadata"]["name"], "Completed", "AllJobsCompleted", "jobset completed successfully"
+        )
 
     sim = Cluster(scenario, c)
     sim.start()
@@ -130,8 +137,10 @@ def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):
     assert job.preemptions == 1 and job.restarts == 0
     text = job.tail()
     assert "first attempt" in text and "second attempt" in text
-    assert (f"tessera.k8s: JobSet {name} restarted the whole group (restart 1: 0 of max_restarts=4 counted, "
-            "1 disruptions); pod tessera-tiny-s0-a0-node-0-1-") in text
+    assert (
+        f"tessera.k8s: JobSet {name} restarted the whole group (restart 1: 0 of max_restarts=4 counted, "
+        "1 disruptions); pod tessera-tiny-s0-a0-node-0-1-"
+    ) in text
     assert "was disrupted (EvictionByEvictionAPI: Eviction API: evicting)" in text
     assert _end(job, api) == f"tessera.k8s: JobSet {name} completed"
     assert [k for k, _ in c.creates] == ["ConfigMap", "JobSet"]  # the controller restarted it, not the launcher
@@ -178,8 +187,17 @@ def test_stuck_pending_fails_with_the_schedulers_reason(api, tmp_path):
     def scenario(c):
         pods = c.start_pods(c.wait_for("JobSet"), phase="Pending")
         for p in pods:
-            c.set_pod_status(p, conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                             "message": "0/4 nodes are available"}])  # fmt: skip
+            c.set_pod_status(
+                p,
+                conditions=[
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/4 nodes are available",
+                    }
+                ],
+            )
             c.event(p, "FailedScheduling", message)
 
     sim = Cluster(scenario, api.cluster)
@@ -257,8 +275,13 @@ def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
         pods = c.start_pods(job)
         c.evict(pods[0])
         settle()
-        c.set_condition("Job", name, "Failed", "PodFailurePolicy", f"Pod training/{pods[0]} has condition "
-                        "DisruptionTarget matching FailJob rule at index 1")  # fmt: skip
+        c.set_condition(
+            "Job",
+            name,
+            "Failed",
+            "PodFailurePolicy",
+            f"Pod training/{pods[0]} has condition DisruptionTarget matching FailJob rule at index 1",
+        )
         c.wait_gone("Job", name)
         pods = c.start_pods(c.wait_for("Job", name, new_after=3))  # recreated by the launcher
         c.log(pods[1], "Traceback ... RuntimeError: NCCL error\n")
@@ -280,8 +303,10 @@ def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
     assert [k for k, _ in c.creates] == ["ConfigMap", "Service", "Job", "Job", "Job"]
     assert [d for d in c.deletes if d[0] == "Job"] == [("Job", name, "Foreground")] * 2
     text = job.tail()
-    assert ("was disrupted (EvictionByEvictionAPI: Eviction API: evicting); deleting and recreating the whole group "
-            "(restart 0 of max_restarts=1, 1 disruptions)") in text
+    assert (
+        "was disrupted (EvictionByEvictionAPI: Eviction API: evicting); deleting and recreating the whole group "
+        "(restart 0 of max_restarts=1, 1 disruptions)"
+    ) in text
     assert "exited 75; deleting and recreating the whole group (restart 1 of max_restarts=1, 1 disruptions)" in text
     assert _end(job, api) == f"tessera.k8s: Job {name} completed"
 
@@ -312,8 +337,9 @@ def test_jobset_restarts_exhausted_on_application_failures(api, tmp_path):
         pods = c.start_pods(c.get("JobSet", name))  # the last attempt maxRestarts allows
         c.terminate(pods[0], 1)
         settle()
-        c.set_condition("JobSet", name, "Failed", "ReachedMaxRestarts", "jobset failed due to reaching max number of "
-                        "restarts")  # fmt: skip
+        c.set_condition(
+            "JobSet", name, "Failed", "ReachedMaxRestarts", "jobset failed due to reaching max number of restarts"
+        )
 
     sim = Cluster(scenario, api.cluster)
     sim.start()
@@ -362,8 +388,11 @@ def test_a_refused_spec_or_a_missing_jobset_api_is_fatal_in_one_line(api, tmp_pa
     job = _launch(tmp_path, CPU_ONE_NODE)
     assert job.wait(timeout=5) == 78
     assert "the JobSet API (jobset.x-k8s.io/v1alpha2) is not installed in this cluster" in _end(job, api)
-    c.refuse["JobSet"] = (422, "Invalid", 'JobSet.jobset.x-k8s.io "x" is invalid: spec.replicatedJobs[0].name: '
-                                          "Invalid value")  # fmt: skip
+    c.refuse["JobSet"] = (
+        422,
+        "Invalid",
+        'JobSet.jobset.x-k8s.io "x" is invalid: spec.replicatedJobs[0].name: Invalid value',
+    )
     job = _launch(tmp_path, CPU_ONE_NODE, run="other")
     assert job.wait(timeout=5) == 78
     assert _end(job, api).endswith("invalid spec: " + c.refuse["JobSet"][2])

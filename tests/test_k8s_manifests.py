@@ -8,7 +8,6 @@ the openAPIV3Schema of JobSet v0.12.0's CRD. No cluster is involved: these are s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -32,8 +31,10 @@ K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 JOBSET_RELEASE = "v0.12.0"
 _CRD_NAME = "jobset.x-k8s.io_jobsets.yaml"
 # Where the JobSet CRD may be: vendored next to the tests, or in the shared folder beside the checkout.
-CRD_PLACES = [ROOT / "tests" / "k8s" / f"jobset-{JOBSET_RELEASE}" / _CRD_NAME,
-              ROOT.parent / "shared" / "k8s" / f"jobset-{JOBSET_RELEASE}" / _CRD_NAME]  # fmt: skip
+CRD_PLACES = [
+    ROOT / "tests" / "k8s" / f"jobset-{JOBSET_RELEASE}" / _CRD_NAME,
+    ROOT.parent / "shared" / "k8s" / f"jobset-{JOBSET_RELEASE}" / _CRD_NAME,
+]
 
 TRAIN_ARGS = ["--job", f"{JOB_DIR}/{JOB_FILE}", "--stage", "1"]
 
@@ -41,8 +42,15 @@ TRAIN_ARGS = ["--job", f"{JOB_DIR}/{JOB_FILE}", "--stage", "1"]
 def _render(raw: dict, run: str = "tiny", stage: int = 1, attempt: int = 0) -> list[dict]:
     cfg = compute(raw)
     work = Workload(run, "train", stage=stage, attempt=attempt)
-    return stage_manifests(cfg.kubernetes, work, cfg.ranks_per_node, "trainers.train", TRAIN_ARGS, job_json(run),
-                           {"TESSERA_HOLDER": "flow run 'x'", SUPERVISOR_ENV: "123"})  # fmt: skip
+    return stage_manifests(
+        cfg.kubernetes,
+        work,
+        cfg.ranks_per_node,
+        "trainers.train",
+        TRAIN_ARGS,
+        job_json(run),
+        {"TESSERA_HOLDER": "flow run 'x'", SUPERVISOR_ENV: "123"},
+    )
 
 
 def _by_kind(objects: list[dict]) -> dict[str, dict]:
@@ -53,8 +61,10 @@ def _by_kind(objects: list[dict]) -> dict[str, dict]:
 def jobset_schema() -> dict:
     crd_path = next((p for p in CRD_PLACES if p.is_file()), None)
     if crd_path is None:
-        pytest.skip(f"the JobSet {JOBSET_RELEASE} CRD is not here ({' or '.join(map(str, CRD_PLACES))}): see "
-                    "docs/KUBERNETES.md, 'Tests'")  # fmt: skip
+        pytest.skip(
+            f"the JobSet {JOBSET_RELEASE} CRD is not here ({' or '.join(map(str, CRD_PLACES))}): see "
+            "docs/KUBERNETES.md, 'Tests'"
+        )
     crd = yaml.safe_load(crd_path.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
     return version["schema"]["openAPIV3Schema"]
@@ -65,9 +75,14 @@ def _core_objects(objects: list[dict]) -> list[dict]:
     core = [o for o in objects if o["kind"] != "JobSet"]
     for js in (o for o in objects if o["kind"] == "JobSet"):
         for rj in js["spec"]["replicatedJobs"]:
-            core.append({"apiVersion": "batch/v1", "kind": "Job",
-                         "metadata": {"name": f"{js['metadata']['name']}-{rj['name']}-0", **rj["template"]["metadata"]},
-                         "spec": rj["template"]["spec"]})  # fmt: skip
+            core.append(
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {"name": f"{js['metadata']['name']}-{rj['name']}-0", **rj["template"]["metadata"]},
+                    "spec": rj["template"]["spec"],
+                }
+            )
     return core
 
 
@@ -78,13 +93,16 @@ def test_core_objects_validate(variant, version):
     cfg = compute(VARIANTS[variant])
     objects.append(eval_job(cfg.kubernetes, Workload("tiny", "eval", tokens=16384), "evaluation", ["--step", "16384"]))
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == (["ConfigMap", "Job", "Job", "Service"] if cfg.kubernetes.api == "indexed-job"
-                     else ["ConfigMap", "Job", "Job"])  # fmt: skip
+    assert kinds == (
+        ["ConfigMap", "Job", "Job", "Service"] if cfg.kubernetes.api == "indexed-job" else ["ConfigMap", "Job", "Job"]
+    )
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
-@pytest.mark.parametrize("variant", [v for v in sorted(VARIANTS) if VARIANTS[v]["kubernetes"].get("api") != "indexed-job"])
+@pytest.mark.parametrize(
+    "variant", [v for v in sorted(VARIANTS) if VARIANTS[v]["kubernetes"].get("api") != "indexed-job"]
+)
 def test_jobset_validates_against_the_release_crd(variant, jobset_schema):
     js = _by_kind(_render(VARIANTS[variant]))["JobSet"]
     jsonschema.validate(js, jobset_schema)
@@ -101,20 +119,32 @@ def test_jobset_shape_command_and_failure_policy():
     name = "tessera-tiny-s1-a0"
     assert js["metadata"]["name"] == name and js["metadata"]["namespace"] == "training"
     assert js["metadata"]["labels"] == {
-        "app.kubernetes.io/name": "tessera", "app.kubernetes.io/component": "train", "app.kubernetes.io/managed-by":
-        "tessera", "tessera.dev/run": "tiny", "tessera.dev/stage": "1", "tessera.dev/attempt": "0"}  # fmt: skip
+        "app.kubernetes.io/name": "tessera",
+        "app.kubernetes.io/component": "train",
+        "app.kubernetes.io/managed-by": "tessera",
+        "tessera.dev/run": "tiny",
+        "tessera.dev/stage": "1",
+        "tessera.dev/attempt": "0",
+    }
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     assert js["spec"]["failurePolicy"] == {
         "maxRestarts": 4,
         "restartStrategy": "BlockingRecreate",
         "rules": [
-            {"name": "FatalExitCode", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
-             "onJobFailureMessagePatterns": ["failed with exit code 78 matching FailJob rule"]},
-            {"name": "Disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
-             "onJobFailureReasons": ["PodFailurePolicy"],
-             "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]},
+            {
+                "name": "FatalExitCode",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": ["failed with exit code 78 matching FailJob rule"],
+            },
+            {
+                "name": "Disruption",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"],
+            },
         ],
-    }  # fmt: skip
+    }
     (rj,) = js["spec"]["replicatedJobs"]
     assert (rj["name"], rj["replicas"]) == ("node", 1)
     job = rj["template"]["spec"]
@@ -126,23 +156,47 @@ def test_jobset_shape_command_and_failure_policy():
     pod = job["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == [
-        "python", "-m", "infra.pod_launch", "composer", "-n", "8", "--world_size", "16",
-        "--node_rank", "$(JOB_COMPLETION_INDEX)", "--master_addr", "$(TESSERA_MASTER_ADDR)", "--master_port", "29500",
-        "-m", "trainers.train", "--job", "/etc/tessera/job/job.json", "--stage", "1",
-    ]  # fmt: skip
+        "python",
+        "-m",
+        "infra.pod_launch",
+        "composer",
+        "-n",
+        "8",
+        "--world_size",
+        "16",
+        "--node_rank",
+        "$(JOB_COMPLETION_INDEX)",
+        "--master_addr",
+        "$(TESSERA_MASTER_ADDR)",
+        "--master_port",
+        "29500",
+        "-m",
+        "trainers.train",
+        "--job",
+        "/etc/tessera/job/job.json",
+        "--stage",
+        "1",
+    ]
     env = {e["name"]: e for e in c["env"]}
     # pod 0's stable name under the JobSet's naming rules: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>
     assert env["TESSERA_MASTER_ADDR"]["value"] == f"{name}-node-0-0.{name}"
     assert SUPERVISOR_ENV not in env  # no supervisor process in a pod
     assert env["TESSERA_HOLDER"]["value"] == "flow run 'x'"
-    assert env["AWS_SECRET_ACCESS_KEY"] == {"name": "AWS_SECRET_ACCESS_KEY",
-                                            "valueFrom": {"secretKeyRef": {"name": "tessera-s3", "key": "secret-key"}}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {
+        "name": "AWS_SECRET_ACCESS_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "tessera-s3", "key": "secret-key"}},
+    }
     assert c["envFrom"] == [{"secretRef": {"name": "mlflow-auth"}}]
     assert env["TESSERA_CACHE_DIR"]["value"] == CACHE_DIR
-    assert c["resources"] == {"requests": {"cpu": "96", "memory": "1600Gi"},
-                              "limits": {"memory": "1600Gi", "nvidia.com/gpu": "8"}}  # fmt: skip
-    assert c["securityContext"] == {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+    assert c["resources"] == {
+        "requests": {"cpu": "96", "memory": "1600Gi"},
+        "limits": {"memory": "1600Gi", "nvidia.com/gpu": "8"},
+    }
+    assert c["securityContext"] == {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -150,7 +204,8 @@ def test_jobset_shape_command_and_failure_policy():
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
-        "matchExpressions"] == [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east5-a"]}]
+        "matchExpressions"
+    ] == [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east5-a"]}]
     assert (pod["priorityClassName"], pod["serviceAccountName"]) == ("training-high", "tessera-trainer")
     assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
     assert pod["automountServiceAccountToken"] is False
@@ -174,8 +229,12 @@ def test_no_secret_value_in_any_manifest():
     assert all("value" not in e for e in env if e["name"] in by_ref)
     assert "MLFLOW_TRACKING_PASSWORD" not in json.dumps(js)  # envFrom names the Secret, not its keys
     with pytest.raises(ValueError, match="AWS_SECRET_ACCESS_KEY: credentials go in a Secret"):
-        compute({**GPU_TWO_NODES, "kubernetes": {**GPU_TWO_NODES["kubernetes"],
-                                                 "env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}}})  # fmt: skip
+        compute(
+            {
+                **GPU_TWO_NODES,
+                "kubernetes": {**GPU_TWO_NODES["kubernetes"], "env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}},
+            }
+        )
 
 
 def test_cpu_variant_and_kueue_label():
@@ -195,8 +254,13 @@ def test_indexed_job_fallback_names_pod0_through_its_headless_service():
     name = "tessera-tiny-s1-a2"
     assert svc["metadata"]["name"] == job["metadata"]["name"] == name
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "tessera", "app.kubernetes.io/component": "train",
-                                       "tessera.dev/run": "tiny", "tessera.dev/stage": "1", "tessera.dev/attempt": "2"}
+    assert svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "tessera",
+        "app.kubernetes.io/component": "train",
+        "tessera.dev/run": "tiny",
+        "tessera.dev/stage": "1",
+        "tessera.dev/attempt": "2",
+    }
     pod = job["spec"]["template"]
     assert all(pod["metadata"]["labels"][k] == v for k, v in svc["spec"]["selector"].items())
     assert pod["spec"]["subdomain"] == name
@@ -243,14 +307,16 @@ def test_recipe_errors_are_one_line_naming_the_field(tmp_path):
         return str(err.value)
 
     assert load(compute={"backend": "kubernetes"}).endswith(
-        "compute.kubernetes: required with compute.backend: kubernetes (image, nodes, gpus_per_node, ...)")
+        "compute.kubernetes: required with compute.backend: kubernetes (image, nodes, gpus_per_node, ...)"
+    )
     k8s = {"backend": "kubernetes", "kubernetes": {"image": "img:1"}}
     assert "data.root: .tessera/data: must be an s3:// URI with compute.backend kubernetes" in load(compute=k8s)
     s3_data = {**raw["data"], "root": "s3://bucket/data"}
     assert "train.save_folder: None: must be an s3:// URI" in load(compute=k8s, data=s3_data)
     s3_train = {**raw["train"], "save_folder": "s3://bucket/ckpt"}
     assert "tracking.tracking_uri: sqlite:///.tessera/mlflow.db: pods log to MLflow over the network" in load(
-        compute=k8s, data=s3_data, train=s3_train)
+        compute=k8s, data=s3_data, train=s3_train
+    )
     bad_gpus = {**k8s, "procs_per_node": 4, "kubernetes": {"image": "img:1", "gpus_per_node": 8}}
     assert "compute.kubernetes: gpus_per_node (8) sets the ranks of a GPU pod" in load(compute=bad_gpus)
     bad_mem = {**k8s, "kubernetes": {"image": "img:1", "memory": "lots"}}

@@ -22,14 +22,19 @@ from tests.k8s.variants import CPU_ONE_NODE, compute
 
 def kubelet_expand(arg: str, env: dict[str, str]) -> str:
     """`$(VAR)` becomes VAR's value when the container defines it; `$$(VAR)` stays a literal `$(VAR)`."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)  # fmt: skip
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
 def _pod_processes(raw: dict, args: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     cfg = compute(raw)
-    js = jobset(cfg.kubernetes, Workload("tiny", "train"), cfg.ranks_per_node, "tests.k8s.probe", args,
-                {"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: str(os.getpid())})  # fmt: skip
+    js = jobset(
+        cfg.kubernetes,
+        Workload("tiny", "train"),
+        cfg.ranks_per_node,
+        "tests.k8s.probe",
+        args,
+        {"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: str(os.getpid())},
+    )
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     (container,) = job["template"]["spec"]["containers"]
     assert container["workingDir"] == "/opt/tessera"  # here: the checkout
@@ -49,18 +54,37 @@ def _run(pods, timeout=240) -> list[tuple[int, str]]:
     base = {k: v for k, v in os.environ.items() if k != SUPERVISOR_ENV}
     base["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{base['PATH']}"  # `composer`, as in the image
     base["OMP_NUM_THREADS"] = "1"
-    procs = [subprocess.Popen(argv, cwd=ROOT, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for argv, env in pods]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, cwd=ROOT, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for argv, env in pods
+    ]
     return [(p.wait(timeout), p.stdout.read().decode(errors="replace")) for p in procs]
 
 
 def test_two_nodes_rendezvous_through_pod0_with_their_completion_index():
     port = free_port()
-    raw = {**CPU_ONE_NODE, "procs_per_node": 1, "kubernetes": {**CPU_ONE_NODE["kubernetes"], "nodes": 2,
-                                                               "master_port": port}}  # fmt: skip
+    raw = {
+        **CPU_ONE_NODE,
+        "procs_per_node": 1,
+        "kubernetes": {**CPU_ONE_NODE["kubernetes"], "nodes": 2, "master_port": port},
+    }
     pods = _pod_processes(raw, ["allreduce"])
-    assert pods[1][0][3:] == ["composer", "-n", "1", "--world_size", "2", "--node_rank", "1", "--master_addr",
-                              "127.0.0.1", "--master_port", str(port), "-m", "tests.k8s.probe", "allreduce"]  # fmt: skip
+    assert pods[1][0][3:] == [
+        "composer",
+        "-n",
+        "1",
+        "--world_size",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "-m",
+        "tests.k8s.probe",
+        "allreduce",
+    ]
     results = _run(pods)
     assert [code for code, _ in results] == [0, 0], results
     for node, (_, out) in enumerate(results):
@@ -70,7 +94,11 @@ def test_two_nodes_rendezvous_through_pod0_with_their_completion_index():
 def test_a_pods_exit_code_is_its_first_failing_ranks():
     """Rank 1 exits 78; Composer's launcher stops rank 0 (76) and itself exits 76. The pod must exit 78,
     or the JobSet's FailJobSet rule on exit code 78 would never fire."""
-    raw = {**CPU_ONE_NODE, "procs_per_node": 2, "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()}}
+    raw = {
+        **CPU_ONE_NODE,
+        "procs_per_node": 2,
+        "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()},
+    }
     ((code, out),) = _run(_pod_processes(raw, ["peer", "78"]))
     assert "Rank 1 crashed with exit code 78" in out, out
     assert "tessera.pod: the launcher exited 76; rank that failed first exited 78" in out

@@ -25,8 +25,10 @@ DEPLOYMENT = "pretrain_pipeline/pretrain"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 # A shorter curriculum for the runs that are interrupted: 32 steps, a checkpoint (and gauntlet) every 8,
 # so the first stage has checkpoints at 8192 and 16384 tokens before its end at 24576.
-SHORT = {"stage_tokens": [{"stage": "literary", "tokens": 24576}, {"stage": "stories", "tokens": 8192}],
-         "eval_every": 8192}  # fmt: skip
+SHORT = {
+    "stage_tokens": [{"stage": "literary", "tokens": 24576}, {"stage": "stories", "tokens": 8192}],
+    "eval_every": 8192,
+}
 
 
 def _api(stack, method: str, path: str, **kw):
@@ -37,8 +39,12 @@ def _api(stack, method: str, path: str, **kw):
 def trigger(stack, **params) -> str:
     """Create a flow run of the pretrain deployment with these form values, as the UI's Run button does."""
     deployment = _api(stack, "GET", f"/deployments/name/{DEPLOYMENT}")
-    run = _api(stack, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-               json={"parameters": {"params": {"recipe": str(stack.recipe), **params}}})  # fmt: skip
+    run = _api(
+        stack,
+        "POST",
+        f"/deployments/{deployment['id']}/create_flow_run",
+        json={"parameters": {"params": {"recipe": str(stack.recipe), **params}}},
+    )
     return run["id"]
 
 
@@ -47,8 +53,12 @@ def flow_run(stack, run_id: str) -> dict:
 
 
 def logs(stack, run_id: str) -> str:
-    rows = _api(stack, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
-                                                     "sort": "TIMESTAMP_ASC"})  # fmt: skip
+    rows = _api(
+        stack,
+        "POST",
+        "/logs/filter",
+        json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200, "sort": "TIMESTAMP_ASC"},
+    )
     return "\n".join(r["message"] for r in rows)
 
 
@@ -126,8 +136,10 @@ def interrupted(live_stack):
     seen["cancel_stop_s"] = time.monotonic() - cancelled_at
     seen["cancelled"] = wait_state(stack, first, {"CANCELLED"}, timeout=120)
     seen["cancelled_s"] = time.monotonic() - cancelled_at
-    seen["cancel_tasks"] = {t["name"]: (t["state"]["type"], t["state"]["message"]) for t in
-                            _api(stack, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}})}
+    seen["cancel_tasks"] = {
+        t["name"]: (t["state"]["type"], t["state"]["message"])
+        for t in _api(stack, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}})
+    }
     seen["cancel_logs"] = logs(stack, first)
     seen["after_cancel"] = mlflow_run(stack, name)
 
@@ -183,9 +195,13 @@ def test_each_rerun_resumes_from_the_last_checkpoint(interrupted):
     resumes = [int(line.split("resume at ")[1].split()[0]) for line in literary.splitlines() if "resume at " in line]
     assert len(resumes) >= 2 and resumes[0] >= 8192 and resumes[-1] >= 16384
     # the Prefect log says it too, with the checkpoint's step and time
-    said = [line for line in interrupted["resume_logs"].splitlines() if "resuming run chain from the checkpoint" in line]
-    assert said and said[0].startswith(f"stage literary: resuming run chain from the checkpoint at {resumes[-1]:,} "
-                                       f"tokens (step {resumes[-1] // 1024}), written 20")  # fmt: skip
+    said = [
+        line for line in interrupted["resume_logs"].splitlines() if "resuming run chain from the checkpoint" in line
+    ]
+    assert said and said[0].startswith(
+        f"stage literary: resuming run chain from the checkpoint at {resumes[-1]:,} "
+        f"tokens (step {resumes[-1] // 1024}), written 20"
+    )
     assert said[0].endswith(" UTC")
     # the MLflow run's end is the last run's, not the cancel's
     run = interrupted["after_resume"]
@@ -240,12 +256,14 @@ def test_a_ui_run_survives_a_60s_tracking_outage_and_records_everything(live_sta
     text = logs(stack, run_id)
     assert "stage literary: step" in text and "tok/s" in text and "ETA" in text
     mlrun = mlflow_run(stack, name)
-    links = _api(stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-mlflow-run"]}},
-                                                          "limit": 5})  # fmt: skip
+    links = _api(
+        stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-mlflow-run"]}}, "limit": 5}
+    )
     # Prefect 3.8 stores a link artifact as markdown: [MLflow run ui-run](url)
     assert links and mlrun.info.run_id in links[0]["data"] and links[0]["data"].startswith("[MLflow run ui-run](")
-    progress = _api(stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-train-literary"]}},
-                                                             "limit": 5})  # fmt: skip
+    progress = _api(
+        stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-train-literary"]}}, "limit": 5}
+    )
     assert progress and progress[0]["type"] == "progress" and float(progress[0]["data"]) == 100.0
 
     # MLflow: every step once although the server was down for a minute, and no relaunch to get there
@@ -261,7 +279,10 @@ def test_a_ui_run_survives_a_60s_tracking_outage_and_records_everything(live_sta
     tags = mlrun.data.tags
     assert tags["tessera.prefect.flow_run_id"] == run_id and run_id in tags["tessera.prefect.flow_run_url"]
     assert tags["tessera.recipe_path"] == str(stack.recipe) and len(tags["tessera.git_sha"]) >= 40
-    assert {a.path for a in client.list_artifacts(mlrun.info.run_id, "recipe")} == {"recipe/recipe.yaml", "recipe/job.json"}
+    assert {a.path for a in client.list_artifacts(mlrun.info.run_id, "recipe")} == {
+        "recipe/recipe.yaml",
+        "recipe/job.json",
+    }
     versions = client.search_model_versions(f"name = 'tessera-tiny' and run_id = '{mlrun.info.run_id}'")
     assert sorted(int(v.tags["tokens"]) for v in versions) == [16384, 32768, 49152]
     aliases = client.get_registered_model("tessera-tiny").aliases
@@ -272,17 +293,24 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
     """Out-of-bounds values are rejected by the server (enforced schema); a bad recipe fails in one line."""
     stack = live_stack
     deployment = _api(stack, "GET", f"/deployments/name/{DEPLOYMENT}")
-    refused = httpx.post(f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run", timeout=30,
-                         json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}})  # fmt: skip
+    refused = httpx.post(
+        f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run",
+        timeout=30,
+        json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}},
+    )
     assert refused.status_code == 409 and "lr" in refused.text  # no flow run was created at all
     # the UI's "Validate parameters" switched off: the flow checks the same bounds first thing, in one line
-    unchecked = _api(stack, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                     json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}},
-                           "enforce_parameter_schema": False})  # fmt: skip
+    unchecked = _api(
+        stack,
+        "POST",
+        f"/deployments/{deployment['id']}/create_flow_run",
+        json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}, "enforce_parameter_schema": False},
+    )
     run = wait_state(stack, unchecked["id"], {"FAILED"}, timeout=300)
     assert run["state"]["message"].endswith(
         "RecipeError: form field lr 5: Input should be less than or equal to 1 (Peak learning rate "
-        "(train.optim.lr): above 0 and at most 1.)")  # fmt: skip
+        "(train.optim.lr): above 0 and at most 1.)"
+    )
     assert "Traceback" not in logs(stack, unchecked["id"])
     run_id = trigger(stack, recipe="configs/no-such-recipe.yaml")
     deadline = time.monotonic() + 300

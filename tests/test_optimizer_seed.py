@@ -44,8 +44,9 @@ def test_other_shapes_or_an_unreadable_file_start_fresh_and_say_why(tmp_path):
     path, _ = _checkpoint(tmp_path, 8)
     net = Net(16)
     opt = torch.optim.AdamW(net.parameters(), lr=5e-4)
-    assert seed_optimizer(net, opt, path) == (f"fresh: {path} has exp_avg of body.weight shaped (8, 4), "
-                                              "the model's is (16, 4)")  # fmt: skip
+    assert seed_optimizer(net, opt, path) == (
+        f"fresh: {path} has exp_avg of body.weight shaped (8, 4), the model's is (16, 4)"
+    )
     assert opt.state_dict()["state"] == {}
     missing = str(tmp_path / "gone.pt")
     assert seed_optimizer(net, opt, missing).startswith(f"fresh: cannot read the optimizer state of {missing}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evaluation.report import GauntletReport, TaskResult
-from tasks.aliases import LATEST_ALIAS, record_started, reconcile_aliases, set_aliases
+from tasks.aliases import LATEST_ALIAS, reconcile_aliases, record_started, set_aliases
 from tasks.promote import bootstrap, decide, promote_by_hand, record_decision
 from tasks.promote_config import PromoteConfig
 from tasks.register import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS
@@ -14,7 +14,9 @@ from tasks.version_record import decision_history, write_version_record
 
 def _report(reasoning: float, language: float) -> GauntletReport:
     return GauntletReport(
-        tasks=[TaskResult("copa", 0, "multiple_choice", 0.5 + reasoning / 2, 100, random_baseline=0.5, score=reasoning)],
+        tasks=[
+            TaskResult("copa", 0, "multiple_choice", 0.5 + reasoning / 2, 100, random_baseline=0.5, score=reasoning)
+        ],
         categories={"commonsense_reasoning": reasoning, "language_understanding": language},
         averages={"core_average": (reasoning + language) / 2},
     )
@@ -35,8 +37,9 @@ def test_rule_rejects_too_small_a_gain_and_a_category_that_falls():
         "core_average gained +0.0250, less than promote.min_gain +0.0500",
         "category language_understanding fell -0.0500, more than promote.max_category_drop 0.0100",
     ]
-    named = decide(_report(0.30, 0.40), _report(0.40, 0.35), PromoteConfig(headline="commonsense_reasoning",
-                                                                            max_category_drop=1.0))  # fmt: skip
+    named = decide(
+        _report(0.30, 0.40), _report(0.40, 0.35), PromoteConfig(headline="commonsense_reasoning", max_category_drop=1.0)
+    )
     assert named.accepted and named.gain == pytest.approx(0.10)
     with pytest.raises(ValueError, match="'nope' is not an average or category"):
         decide(_report(0.3, 0.4), _report(0.3, 0.4), PromoteConfig(headline="nope"))
@@ -53,11 +56,25 @@ def registry(tmp_path):
     client.create_registered_model("m", tags=record_started())
     for tokens, score in ((1024, 0.30), (2048, 0.35), (3072, 0.32)):
         run_id = client.create_run(experiment).info.run_id
-        mv = client.create_model_version("m", source=f"file:///tmp/v{tokens}", run_id=run_id, tags={
-            "tokens": str(tokens), "stage": "s", "run": "base", "gauntlet_average": f"{score:.6f}",
-            "headline": "core_average", "gauntlet_hash": "g"})  # fmt: skip
-        write_version_record(client, "m", mv.version, {"checkpoint": f"/ckpts/base-tok{tokens}.pt", "storage": "copy",
-                                                       "model_uri": f"file:///tmp/v{tokens}"})  # fmt: skip
+        mv = client.create_model_version(
+            "m",
+            source=f"file:///tmp/v{tokens}",
+            run_id=run_id,
+            tags={
+                "tokens": str(tokens),
+                "stage": "s",
+                "run": "base",
+                "gauntlet_average": f"{score:.6f}",
+                "headline": "core_average",
+                "gauntlet_hash": "g",
+            },
+        )
+        write_version_record(
+            client,
+            "m",
+            mv.version,
+            {"checkpoint": f"/ckpts/base-tok{tokens}.pt", "storage": "copy", "model_uri": f"file:///tmp/v{tokens}"},
+        )
     return client
 
 
@@ -88,8 +105,9 @@ def test_bootstrap_then_accepted_then_rejected_are_all_recorded(registry):
     won = decision_history(registry, "m", "3")[-1]
     assert (won["kind"], won["role"], won["vs"], won["run"]) == ("accepted", "challenger", "v2 (champion)", "cpt-1")
     assert won["rule"] == "core_average gain >= +0.0000 and no category below -0.0100"
-    assert won["deltas"] == pytest.approx({"core_average": 0.0275, "category.commonsense_reasoning": 0.06,
-                                           "category.language_understanding": -0.005})  # fmt: skip
+    assert won["deltas"] == pytest.approx(
+        {"core_average": 0.0275, "category.commonsense_reasoning": 0.06, "category.language_understanding": -0.005}
+    )
     assert decision_history(registry, "m", "2")[-1]["vs"] == "v3 (challenger)"
     assert "champion since" in v3.description and "core_average 0.3775 vs 0.3500 (v2)" in v3.description
     assert "no category below -0.0050" in v3.description
@@ -105,7 +123,9 @@ def test_bootstrap_then_accepted_then_rejected_are_all_recorded(registry):
     assert "less than promote.min_gain" in decision_history(registry, "m", "1")[0]["text"]
     # the champion keeps every decision it took part in, oldest first
     assert [(e["kind"], e["role"]) for e in decision_history(registry, "m", "3")] == [
-        ("accepted", "challenger"), ("rejected", "champion")]
+        ("accepted", "challenger"),
+        ("rejected", "champion"),
+    ]
     assert registry.get_model_version("m", "3").tags["promotion"] == "rejected"
     # and its description still says why it is champion: the newest decision that gave it the alias
     assert "champion: champion since" in registry.get_model_version("m", "3").description
@@ -120,7 +140,11 @@ def test_decisions_in_the_same_second_all_stay(registry):
     assert len({e["stamp"][:15] for e in history}) < 3
     assert [e["run"] for e in history] == ["cpt-1", "cpt-2", "cpt-3"]
     assert [(e["kind"], e["run"]) for e in decision_history(registry, "m", "2")] == [
-        ("bootstrap", "base"), ("rejected", "cpt-1"), ("rejected", "cpt-2"), ("rejected", "cpt-3")]
+        ("bootstrap", "base"),
+        ("rejected", "cpt-1"),
+        ("rejected", "cpt-2"),
+        ("rejected", "cpt-3"),
+    ]
     folder = registry.list_artifacts(registry.get_model_version("m", "1").run_id, "registry/m/v1/history")
     assert len(folder) == 3
 
@@ -142,16 +166,35 @@ def test_an_alias_moved_outside_tessera_is_recorded_once_on_both_versions(regist
     assert len(moved) == 1
     at = moved[0]["detected_at"]
     assert lines == [f"m: alias champion moved from v2 to v1 outside tessera (detected {at} by flow cpt-9)"]
-    why = (f"champion since {at[:10]}: moved here from v2 outside tessera (MLflow UI or API), detected {at} by "
-           "flow cpt-9; no rule applied")
-    assert _without_time(moved) == [{
-        "version": "1", "kind": "outside tessera", "role": "to", "alias": "champion", "from": "2", "to": "1",
-        "detected_by": "flow cpt-9", "why": {"champion": why},
-        "text": f"alias champion moved from v2 to v1 outside tessera (detected {at} by flow cpt-9)"}]  # fmt: skip
-    assert _without_time(decision_history(registry, "m", "2"))[1:] == [{
-        "version": "2", "kind": "outside tessera", "role": "from", "alias": "champion", "from": "2", "to": "1",
-        "detected_by": "flow cpt-9",
-        "text": f"alias champion moved from v2 to v1 outside tessera (detected {at} by flow cpt-9)"}]  # fmt: skip
+    why = (
+        f"champion since {at[:10]}: moved here from v2 outside tessera (MLflow UI or API), detected {at} by "
+        "flow cpt-9; no rule applied"
+    )
+    assert _without_time(moved) == [
+        {
+            "version": "1",
+            "kind": "outside tessera",
+            "role": "to",
+            "alias": "champion",
+            "from": "2",
+            "to": "1",
+            "detected_by": "flow cpt-9",
+            "why": {"champion": why},
+            "text": f"alias champion moved from v2 to v1 outside tessera (detected {at} by flow cpt-9)",
+        }
+    ]
+    assert _without_time(decision_history(registry, "m", "2"))[1:] == [
+        {
+            "version": "2",
+            "kind": "outside tessera",
+            "role": "from",
+            "alias": "champion",
+            "from": "2",
+            "to": "1",
+            "detected_by": "flow cpt-9",
+            "text": f"alias champion moved from v2 to v1 outside tessera (detected {at} by flow cpt-9)",
+        }
+    ]
     assert [registry.get_model_version("m", v).tags["promotion"] for v in ("1", "2")] == ["outside tessera"] * 2
     assert f"Aliases: champion: {why}." in registry.get_model_version("m", "1").description
     assert "Aliases" not in registry.get_model_version("m", "2").description
@@ -169,8 +212,12 @@ def test_a_deleted_alias_and_moves_just_before_tessera_moves_are_recorded_first(
     # tessera moves champion itself before any reconcile at a flow's start: the moves made elsewhere come first
     promote_by_hand(registry, "m", "1", "back to v1")
     kinds = [(e["kind"], e.get("alias"), e.get("role")) for e in decision_history(registry, "m", "1")]
-    assert kinds == [("manual", None, "promoted"), ("manual", None, "replaced"),
-                     ("outside tessera", "previous-champion", "from"), ("manual", None, "promoted")]  # fmt: skip
+    assert kinds == [
+        ("manual", None, "promoted"),
+        ("manual", None, "replaced"),
+        ("outside tessera", "previous-champion", "from"),
+        ("manual", None, "promoted"),
+    ]
     texts = [e["text"] for e in decision_history(registry, "m", "3")]
     assert len(texts) == 2 and texts[1] == "manual: replaced by v1 (back to v1)"
     assert texts[0].startswith("alias champion moved from v2 to v3 outside tessera (detected ")
@@ -183,7 +230,12 @@ def test_a_deleted_alias_and_moves_just_before_tessera_moves_are_recorded_first(
     set_aliases(registry, "m", {LATEST_ALIAS: "3"}, "run base")
     entry = decision_history(registry, "m", "2")[-1]
     assert (entry["kind"], entry["alias"], entry["from"], entry["to"], entry["detected_by"]) == (
-        "outside tessera", "staging", None, "2", "run base")
+        "outside tessera",
+        "staging",
+        None,
+        "2",
+        "run base",
+    )
     assert entry["text"].startswith("alias staging set on v2 outside tessera (detected ")
     assert "staging: moved here outside tessera (MLflow UI or API)" in registry.get_model_version("m", "2").description
     assert reconcile_aliases(registry, "m", "run base") == []

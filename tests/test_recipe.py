@@ -72,7 +72,7 @@ def test_missing_required_section():
 
 
 def test_bad_key_in_a_source_names_its_own_line_without_union_tags():
-    text = tiny_text().replace("      separator: \"\\n\\n\"\n", "      separator: \"\\n\\n\"\n      bogus_field: 1\n", 1)
+    text = tiny_text().replace('      separator: "\\n\\n"\n', '      separator: "\\n\\n"\n      bogus_field: 1\n', 1)
     line = _line_of(text, "bogus_field")
     assert _error(text) == f"r.yaml:{line}: data.sources.0.bogus_field: Extra inputs are not permitted"
 
@@ -85,7 +85,10 @@ def test_work_dir_must_be_local():
 def test_save_folder_accepts_local_and_s3_only():
     text = tiny_text().replace("  seed: 17\n", "  seed: 17\n  save_folder: gs://bucket/runs\n")
     line = _line_of(text, "save_folder:")
-    assert _error(text) == f"r.yaml:{line}: train.save_folder: gs://bucket/runs: only local paths and s3:// URIs are supported"
+    assert (
+        _error(text)
+        == f"r.yaml:{line}: train.save_folder: gs://bucket/runs: only local paths and s3:// URIs are supported"
+    )
     ok = parse_recipe(text.replace("gs://bucket/runs", "s3://bucket/runs"), "r.yaml")
     assert ok.train.save_folder == "s3://bucket/runs"
 
@@ -99,9 +102,7 @@ def test_wrong_type_names_field():
 def test_eval_every_must_align_with_batches():
     text = tiny_text().replace("every: 16384", "every: 1000")
     line = _line_of(text, "every: 1000")
-    assert _error(text) == (
-        f"r.yaml:{line}: eval.every: 1000 is not a multiple of global_batch_size*seq_len (1024)"
-    )
+    assert _error(text) == (f"r.yaml:{line}: eval.every: 1000 is not a multiple of global_batch_size*seq_len (1024)")
 
 
 def test_heads_must_divide_width():

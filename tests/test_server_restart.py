@@ -28,13 +28,21 @@ OUTAGE_S = 65.0  # longer than tasks/exclusive.LEASE_S: the flow's lease expires
 
 
 def start_server(home: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+    }
     with open(log, "ab") as out:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 180
     while not answers(f"http://127.0.0.1:{port}/api/health"):
         assert server.poll() is None, log.read_text()[-3000:]
@@ -57,8 +65,13 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
     run = None
     try:
         with open(tmp_path / "run-1.log", "wb") as out:
-            run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            run = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         from trainers.format.checkpoints import list_complete
 
         folder = tmp_path / "work" / "runs" / "restart" / "checkpoints"
@@ -81,8 +94,14 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
         leaked = httpx.get(f"{api}/v2/concurrency_limits/tessera-run-restart", timeout=10).json()["active_slots"]
 
         started = time.monotonic()
-        again = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
-                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        again = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert again.returncode == 0, again.stderr[-3000:]  # before the fix: "run 'restart' is already running"
         reclaimed = "reclaimed the slot of concurrency limit tessera-run-restart" in again.stdout + again.stderr
         assert reclaimed == bool(leaked), (leaked, again.stderr[-3000:])

@@ -11,7 +11,9 @@ from pathlib import Path
 from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prefect-server-scheduler-error.log"
-BULK_DML = "sqlalchemy.exc.InvalidRequestError: Can't evaluate bulk DML statement; please supply a bulk_dml decorated function"
+BULK_DML = (
+    "sqlalchemy.exc.InvalidRequestError: Can't evaluate bulk DML statement; please supply a bulk_dml decorated function"
+)
 
 
 class Clock:
@@ -60,8 +62,10 @@ def test_the_scheduler_failure_is_one_line_per_distinct_error_even_when_the_log_
         f.write(block + "\n")
     errors.poll()
     errors.poll()
-    assert said[2].startswith("tessera up: prefect-server logged an error (again; 4 times since it was last said): "
-                              "docket.dependencies: schedule_recent_deployments()")  # fmt: skip
+    assert said[2].startswith(
+        "tessera up: prefect-server logged an error (again; 4 times since it was last said): "
+        "docket.dependencies: schedule_recent_deployments()"
+    )
 
 
 def test_warnings_flow_run_output_and_info_tracebacks_are_not_errors(tmp_path):

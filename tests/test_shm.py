@@ -47,18 +47,27 @@ def _start(folder: Path) -> tuple[subprocess.Popen, int]:
     # Its own session: killing the group also kills multiprocessing's resource tracker, which would
     # otherwise unlink the segments itself (as after a plain kill of one rank; not after a whole launch
     # is killed, or a pod or node dies).
-    proc = subprocess.Popen([sys.executable, "-c", DATASET, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DATASET, str(folder)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     ready, prefix = proc.stdout.readline().split()
     assert ready == "ready"
     return proc, int(prefix)
 
 
 def test_only_segments_no_live_process_maps_are_removed(tmp_path):
-    from trainers.shm import clean_stale_streaming_shm
     from tests.support.training import write_mds
+    from trainers.shm import clean_stale_streaming_shm
 
-    live_data, dead_data = write_mds(tmp_path / "live", 10, 16, 512, seed=1), write_mds(tmp_path / "dead", 10, 16, 512, seed=2)
+    live_data, dead_data = (
+        write_mds(tmp_path / "live", 10, 16, 512, seed=1),
+        write_mds(tmp_path / "dead", 10, 16, 512, seed=2),
+    )
     live, live_prefix = _start(live_data)
     try:
         live_files = _owned_by(live_prefix)
@@ -70,7 +79,9 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path):
 
         removed = clean_stale_streaming_shm()
         assert {n for n, _ in dead_files} <= set(removed) and not _present(dead_files)  # the killed one's are gone
-        assert _present(live_files) == live_files and not {n for n, _ in live_files} & set(removed)  # the live one's stay
+        assert _present(live_files) == live_files and not {n for n, _ in live_files} & set(
+            removed
+        )  # the live one's stay
         live.stdin.write("3\n")
         live.stdin.flush()
         assert live.stdout.readline() == "16\n"  # and it still reads

@@ -32,13 +32,17 @@ def product_modules() -> dict[str, Path]:
 def imports(path: Path, known: set[str]) -> list[tuple[str, bool]]:
     """(module imported, inside a function) for each import of a product module in `path`."""
     tree = ast.parse(path.read_text())
-    nested = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f)}
+    nested = {
+        id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f)
+    }
     found = []
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from pkg import mod` imports pkg.mod when that is a module; else a name of pkg
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
+            ]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         found += [(n, id(node) in nested) for n in names if n.split(".")[0] in PACKAGES]
@@ -69,8 +73,10 @@ def _covers(name: str, module: str) -> bool:
 def is_allowed(importer: str, imported: str, edges: list[tuple[str, str]]) -> bool:
     if unit(importer) == unit(imported):
         return True
-    return any(_covers(source, importer) and (_covers(target, imported) or _covers(target, unit(imported)))
-               for source, target in edges)  # fmt: skip
+    return any(
+        _covers(source, importer) and (_covers(target, imported) or _covers(target, unit(imported)))
+        for source, target in edges
+    )
 
 
 def graph() -> dict[str, set[str]]:
@@ -117,17 +123,27 @@ def test_every_edge_between_units_is_on_the_map():
     assert ("flows", "tasks") in edges and ("infra", "trainers.contract") in edges
     modules = product_modules()
     known = set(modules)
-    off_map = sorted({f"{name} -> {imported}" for name, path in modules.items() for imported, _ in imports(path, known)
-                      if not is_allowed(name, imported, edges)})  # fmt: skip
+    off_map = sorted(
+        {
+            f"{name} -> {imported}"
+            for name, path in modules.items()
+            for imported, _ in imports(path, known)
+            if not is_allowed(name, imported, edges)
+        }
+    )
     assert off_map == [], "imports docs/ARCHITECTURE.md does not list:\n" + "\n".join(off_map)
 
 
 def test_no_trainers_import_is_hidden_in_a_function():
     modules = product_modules()
     known = set(modules)
-    hidden = sorted(f"{name} -> {m}" for name, path in modules.items() if name.startswith("trainers")
-                    and name not in DEFERRED_ON_PURPOSE for m, inside in imports(path, known)
-                    if inside and m.startswith("trainers"))  # fmt: skip
+    hidden = sorted(
+        f"{name} -> {m}"
+        for name, path in modules.items()
+        if name.startswith("trainers") and name not in DEFERRED_ON_PURPOSE
+        for m, inside in imports(path, known)
+        if inside and m.startswith("trainers")
+    )
     assert hidden == [], f"imports of trainers modules inside functions: {hidden}"
 
 

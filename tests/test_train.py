@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from trainers.config import ModelConfig, StageConfig, TrainConfig
-from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode, classify, FatalError
+from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode, FatalError, classify
 from trainers.schedule import lr_multiplier, stage_bounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +40,11 @@ def test_bad_job_is_one_line_fatal(tmp_path):
     job.write_text(json.dumps({"run_name": "x", "model": {}, "train": {"stages": []}}))
     proc = subprocess.run(
         [sys.executable, "-m", "trainers.train", "--job", str(job), "--stage", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == ExitCode.FATAL and proc.returncode in FATAL
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "train.stages" in proc.stderr and "Traceback" not in proc.stderr
@@ -52,7 +55,9 @@ def test_a_job_file_is_held_to_the_recipe_alignment_rule():
     from tests.support.training import tiny_job
 
     stages = [STAGES[0], STAGES[1].model_copy(update={"tokens": 1000})]  # stage 2 steps are 16 x 32 tokens
-    with pytest.raises(ValueError, match=r"train\.stages\.1\.tokens: 1000 is not a multiple of global_batch_size\*seq_len \(512\)"):
+    with pytest.raises(
+        ValueError, match=r"train\.stages\.1\.tokens: 1000 is not a multiple of global_batch_size\*seq_len \(512\)"
+    ):
         tiny_job("/nonexistent", {"a": "a", "b": "b"}, stages, seq_len=SEQ, global_batch_size=BATCH)
 
 
@@ -107,8 +112,10 @@ def test_lr_schedule_is_global_across_stages():
 
 
 def test_anneal_stage_decays_to_min_from_where_the_schedule_was():
-    stages = [StageConfig(name="main", tokens=8 * STEP, mixture={"a": 1.0}),
-              StageConfig(name="anneal", tokens=4 * STEP, mixture={"b": 1.0}, anneal=True)]  # fmt: skip
+    stages = [
+        StageConfig(name="main", tokens=8 * STEP, mixture={"a": 1.0}),
+        StageConfig(name="anneal", tokens=4 * STEP, mixture={"b": 1.0}, anneal=True),
+    ]
     train = TrainConfig(stages=stages, optim={"lr": 1.0, "schedule": "constant", "min_lr_ratio": 0.1})
     lrs = [lr_multiplier(train, t, STEP) for t in range(0, 12 * STEP, STEP)]
     assert lrs[:8] == [1.0] * 8
@@ -153,14 +160,16 @@ def test_loss_guard_flags_nan_and_spikes_with_the_rollback_point():
     from types import SimpleNamespace
 
     from trainers.callbacks import LossGuard
-    from trainers.exit_codes import LossAnomaly
     from trainers.config import LossGuardConfig
+    from trainers.exit_codes import LossAnomaly
 
     saver = SimpleNamespace(last_saved_tokens=None)
     guard = LossGuard(LossGuardConfig(spike_factor=2.0, warmup_steps=3), 1, 1000, 8, saver, vocab_size=512)
 
     def step(loss, tokens):
-        guard.batch_end(SimpleNamespace(total_loss_dict={"loss/train/total": loss}, timestamp=SimpleNamespace(token=tokens)), None)
+        guard.batch_end(
+            SimpleNamespace(total_loss_dict={"loss/train/total": loss}, timestamp=SimpleNamespace(token=tokens)), None
+        )
 
     for k, loss in enumerate([4.0, 4.1, 3.9, 4.0, 7.9]):  # 7.9 < 2x the running mean: no spike
         step(loss, 1000 + 100 * (k + 1))
@@ -179,8 +188,8 @@ def test_the_default_loss_guard_stops_a_loss_no_training_state_reaches():
     from types import SimpleNamespace
 
     from trainers.callbacks import LossGuard
-    from trainers.exit_codes import LossAnomaly
     from trainers.config import LossGuardConfig
+    from trainers.exit_codes import LossAnomaly
 
     guard = LossGuard(LossGuardConfig(), 0, 0, 0, SimpleNamespace(last_saved_tokens=None), vocab_size=50304)
     state = lambda loss: SimpleNamespace(total_loss_dict={"loss": loss}, timestamp=SimpleNamespace(token=2048))  # noqa: E731
@@ -199,16 +208,22 @@ def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
     import torch
     from composer import Trainer
 
+    from tests.support.training import tiny_job
     from trainers.build import fsdp_config
     from trainers.model import build_model
-    from tests.support.training import tiny_job
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    job = tiny_job("/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": sharding, "activation_checkpointing": True})
+    job = tiny_job(
+        "/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": sharding, "activation_checkpointing": True}
+    )
     model = build_model(job.model, 512, SEQ, 0, seed=0)
     parsed = Trainer._parse_parallelism_config(None, fsdp_config(job.train.parallelism, model, world_size=4)).fsdp
-    assert (parsed.sharding_strategy, parsed.activation_checkpointing, parsed.state_dict_type) == (sharding, True, "full")
+    assert (parsed.sharding_strategy, parsed.activation_checkpointing, parsed.state_dict_type) == (
+        sharding,
+        True,
+        "full",
+    )
     assert (parsed.data_parallel_shard_degree, parsed.data_parallel_replicate_degree) == (
         (2, 2) if sharding == "HYBRID_SHARD" else (-1, None)
     )
@@ -257,16 +272,21 @@ def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(t
 
 
 def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
+    from tests.support.training import tiny_job
     from trainers.format.checkpoints import CheckpointInfo, list_complete, publish
     from trainers.saver import PublishingCheckpointSaver
-    from tests.support.training import tiny_job
 
-    job = tiny_job(tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2)
+    job = tiny_job(
+        tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2
+    )
     Path(job.save_folder).mkdir(parents=True)
     for tokens in (1024, 2048, 2560):
         path = Path(job.save_folder) / f"tiny-s0-tok{tokens}-rank0.pt"
         path.write_bytes(b"x")
-        publish(job.save_folder, CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0))
+        publish(
+            job.save_folder,
+            CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0),
+        )
     other = Path(job.save_folder) / "other-s0-tok512-rank0.pt"  # another run sharing the folder keeps its own
     other.write_bytes(b"x")
     publish(job.save_folder, CheckpointInfo(path=str(other), tokens=512, batch=1, stage="warm", stage_index=0))
@@ -297,8 +317,15 @@ def _job(root: Path, sources, **kw):
     # Every run also scores b's held-out split at each checkpoint, so the exactness tests cover evaluation too.
     kw.setdefault("val_streams", {"b": str(Path(sources["b"]).parent / "b_val")})
     kw.setdefault("val_batches", 3)
-    job = tiny_job(root, sources, kw.pop("stages", STAGES), seq_len=SEQ, global_batch_size=BATCH,
-                   checkpoint_every_tokens=4 * STEP, **kw)  # fmt: skip
+    job = tiny_job(
+        root,
+        sources,
+        kw.pop("stages", STAGES),
+        seq_len=SEQ,
+        global_batch_size=BATCH,
+        checkpoint_every_tokens=4 * STEP,
+        **kw,
+    )
     return job, write_job(job, root / "job.json")
 
 
@@ -366,18 +393,22 @@ def reference(tmp_path_factory, sources):
 def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow_uri):
     from mlflow.tracking import MlflowClient
 
-    from trainers.format.checkpoints import list_complete
-    from trainers.config import MlflowTarget
-    from trainers.format.export import export_hf
     from tests.support.training import write_hf_tokenizer
+    from trainers.config import MlflowTarget
+    from trainers.format.checkpoints import list_complete
+    from trainers.format.export import export_hf
 
     client = MlflowClient(mlflow_uri)
     run_id = client.create_run(client.create_experiment("t")).info.run_id
     tok = write_hf_tokenizer(tmp_path / "tok", vocab_size=512)
     job, job_path = _job(
-        tmp_path, sources, stages=STAGES[:1], tokenizer_dir=str(tok), vocab_size=512,
+        tmp_path,
+        sources,
+        stages=STAGES[:1],
+        tokenizer_dir=str(tok),
+        vocab_size=512,
         mlflow=MlflowTarget(tracking_uri=mlflow_uri, run_id=run_id),
-    )  # fmt: skip
+    )
     val = job.val_streams["b"]
     log = tmp_path / "samples.jsonl"
 
@@ -388,11 +419,15 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     _ok(_launch(job_path, 0, log))
     done = list_complete(job.save_folder)
     assert [(c.tokens, c.batch, c.stage, c.stage_index) for c in done] == [
-        (1024, 4, "warm", 0), (2048, 8, "warm", 0), (2560, 10, "warm", 0)
-    ]  # fmt: skip
+        (1024, 4, "warm", 0),
+        (2048, 8, "warm", 0),
+        (2560, 10, "warm", 0),
+    ]
     lines = log.read_text().splitlines()
     # The relaunch resumed at the checkpoint: it re-trained steps 5..10 only, no replay from 0.
-    assert [json.loads(x)["tokens"] for x in lines] == [t * STEP for t in range(1, 8)] + [t * STEP for t in range(5, 11)]
+    assert [json.loads(x)["tokens"] for x in lines] == [t * STEP for t in range(1, 8)] + [
+        t * STEP for t in range(5, 11)
+    ]
 
     again = _launch(job_path, 0, log)  # a finished stage is a no-op
     _ok(again)
@@ -417,7 +452,9 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     import numpy as np
     from streaming import StreamingDataset
 
-    ids = torch.tensor(np.stack([StreamingDataset(local=str(val), shuffle=False)[i]["tokens"] for i in range(24)]).astype(np.int64))
+    ids = torch.tensor(
+        np.stack([StreamingDataset(local=str(val), shuffle=False)[i]["tokens"] for i in range(24)]).astype(np.int64)
+    )
     first = AutoModelForCausalLM.from_pretrained(export_hf(done[0].path, tmp_path / "hf1024"))
     with torch.no_grad():  # mean CE over all 24 x 31 predicted tokens
         expected = {2560: hf(input_ids=ids, labels=ids).loss.item(), 1024: first(input_ids=ids, labels=ids).loss.item()}
@@ -456,14 +493,25 @@ def test_two_stage_curriculum_continues_schedule_and_optimizer(reference):
 @pytest.mark.slow
 def test_editing_a_trained_stage_is_refused_appending_is_allowed(reference, tmp_path):
     from trainers.plan import plan_start
+
     job, root = reference
-    edited = job.model_copy(update={"train": job.train.model_copy(update={"stages": [
-        STAGES[0].model_copy(update={"tokens": 12 * STEP}), STAGES[1]]})})  # fmt: skip
+    edited = job.model_copy(
+        update={
+            "train": job.train.model_copy(
+                update={"stages": [STAGES[0].model_copy(update={"tokens": 12 * STEP}), STAGES[1]]}
+            )
+        }
+    )
     with pytest.raises(FatalError, match=r"train\.stages\[0\]\.tokens: stage 'warm' was already trained"):
         plan_start(edited, 1)
 
-    appended = job.model_copy(update={"train": job.train.model_copy(update={"stages": [
-        *STAGES, StageConfig(name="anneal", tokens=2 * STEP, mixture={"b": 1.0})]})})  # fmt: skip
+    appended = job.model_copy(
+        update={
+            "train": job.train.model_copy(
+                update={"stages": [*STAGES, StageConfig(name="anneal", tokens=2 * STEP, mixture={"b": 1.0})]}
+            )
+        }
+    )
     plan = plan_start(appended, 2)
     assert (plan.kind, plan.tokens) == ("enter", 4096)
 
@@ -582,8 +630,8 @@ def test_a_resume_inside_a_stage_draws_the_random_numbers_it_saved(tmp_path, sou
     """
     import torch
 
-    from trainers.format.checkpoints import list_complete
     from trainers.config import ModelConfig
+    from trainers.format.checkpoints import list_complete
 
     stage_1 = STAGES[:1]  # the LR horizon is the whole curriculum: both runs get the same one
     runs = {}
@@ -634,7 +682,9 @@ def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources
     log = tmp_path / "samples.jsonl"
     first = _launch(job_path, 0, log, fault="nan:1792")
     assert first.returncode == ExitCode.RETRYABLE, first.stderr[-2000:]
-    assert [(r["resume_tokens"], r["skip_samples"], r["bad_tokens"]) for r in read_rollbacks(RunFolder.of(job))] == [(1024, 24, 1792)]
+    assert [(r["resume_tokens"], r["skip_samples"], r["bad_tokens"]) for r in read_rollbacks(RunFolder.of(job))] == [
+        (1024, 24, 1792)
+    ]
     assert [c.tokens for c in list_complete(job.save_folder)] == [1024]  # the NaN step was never saved
 
     _ok(_launch(job_path, 0, log))
@@ -654,7 +704,9 @@ def test_nan_loss_rolls_back_and_skips_the_bad_data(reference, tmp_path, sources
 def test_missing_bucket_is_one_line_fatal(moto_s3):
     from trainers.remote import RemoteFolder
 
-    with pytest.raises(FatalError, match=r"^train\.save_folder: s3://nowhere/runs/tiny: bucket 'nowhere' does not exist$"):
+    with pytest.raises(
+        FatalError, match=r"^train\.save_folder: s3://nowhere/runs/tiny: bucket 'nowhere' does not exist$"
+    ):
         RemoteFolder("s3://nowhere/runs/tiny").complete()
 
 
@@ -704,9 +756,11 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
     names = {o["Key"] for o in moto_s3.list_objects_v2(Bucket="ckpts")["Contents"]}
     assert names == {
         "runs/tiny/tiny-stages.json",
-        "runs/tiny/manifests/tok-000000003072.json", "runs/tiny/tiny-s1-tok3072-rank0.pt",
-        "runs/tiny/manifests/tok-000000004096.json", "runs/tiny/tiny-s1-tok4096-rank0.pt",
-    }  # fmt: skip
+        "runs/tiny/manifests/tok-000000003072.json",
+        "runs/tiny/tiny-s1-tok3072-rank0.pt",
+        "runs/tiny/manifests/tok-000000004096.json",
+        "runs/tiny/tiny-s1-tok4096-rank0.pt",
+    }
     assert [s["name"] for s in json.loads(remote._get_text("tiny-stages.json"))] == ["warm", "mix"]
 
     ref_job, _ = reference
@@ -722,10 +776,10 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
 @pytest.mark.slow
 def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
     """Stage 2 trains on 64-token samples (data packed at 64) after 32-token stage 1; a kill inside it resumes."""
+    from tests.support.training import write_mds
     from trainers.faults import read_sample_log
     from trainers.format.checkpoints import list_complete
     from trainers.format.export import export_hf
-    from tests.support.training import write_mds
 
     long_a = str(write_mds(tmp_path / "a64", 60, 2 * SEQ, 256, seed=3))
     stages = [STAGES[0], StageConfig(name="long", tokens=4 * 2 * STEP, mixture={"a": 1.0}, seq_len=2 * SEQ)]
@@ -775,15 +829,37 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
         logs = Path(job_path).parent / f"node{node}"
         logs.mkdir(exist_ok=True)
         cmd = [
-            sys.executable, "-m", "composer.cli.launcher", "-n", "1", "--world_size", "2", "--node_rank", str(node),
-            "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "--stdout", str(logs / "rank{rank}.out"), "--stderr", str(logs / "rank{rank}.err"),
-            "-m", "trainers.train", "--job", str(job_path), "--stage", "0",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "composer.cli.launcher",
+            "-n",
+            "1",
+            "--world_size",
+            "2",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "--stdout",
+            str(logs / "rank{rank}.out"),
+            "--stderr",
+            str(logs / "rank{rank}.err"),
+            "-m",
+            "trainers.train",
+            "--job",
+            str(job_path),
+            "--stage",
+            "0",
+        ]
         if node == 1:
             folder = shlex.quote(job.save_folder)
             # Its own save folder, and its own /dev/shm: Streaming's shared memory is per host.
-            mount = f"mkdir -p {folder} && mount --bind {shlex.quote(str(node1_disk))} {folder} && mount -t tmpfs tmpfs /dev/shm"
+            mount = (
+                f"mkdir -p {folder} && mount --bind {shlex.quote(str(node1_disk))} {folder} "
+                "&& mount -t tmpfs tmpfs /dev/shm"
+            )
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(cmd)}"]
         with open(logs / "launcher.log", "ab") as out:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT))
@@ -791,11 +867,14 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk")
+@pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk"
+)
 def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path, sources, moto_s3):
     """Rank 1 lives on "node 1", whose disk never sees rank 0's checkpoints. It is SIGKILLed after step 7;
     the relaunch plans on rank 0, hands the plan over the launch's store, node 1 fetches the checkpoint from
-    s3 (slower than the process group's timeout), and the run finishes with the samples and losses of the one-process reference."""
+    s3 (slower than the process group's timeout), and the run finishes with the samples and losses of the one-process
+    reference."""
     import os
 
     from trainers.remote import RemoteFolder
@@ -815,7 +894,9 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
     codes = _launch_two_nodes(job, job_path, node1_disk, log, slow)
     if codes[0] == ExitCode.RETRYABLE:  # as the flow would: a lost rendezvous race on a busy box is retried
         codes = _launch_two_nodes(job, job_path, node1_disk, log, slow)
-    err = "".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("node*/*.err")) + sorted(tmp_path.glob("node*/*.log")))
+    err = "".join(
+        p.read_text()[-2000:] for p in sorted(tmp_path.glob("node*/*.err")) + sorted(tmp_path.glob("node*/*.log"))
+    )
     assert codes == (0, 0), err
 
     # Node 1 resumed from the checkpoint it downloaded into its own disk.

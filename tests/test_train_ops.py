@@ -44,7 +44,16 @@ def _metrics(target: MlflowTarget, folder: Path):
     from trainers.callbacks import MlflowMetrics
 
     return MlflowMetrics(
-        target, SimpleNamespace(lr=1e-3), 1, "warm", 0, 4 * STEP, STEP, flush_every_s=0, state_folder=folder, run_name="tiny"
+        target,
+        SimpleNamespace(lr=1e-3),
+        1,
+        "warm",
+        0,
+        4 * STEP,
+        STEP,
+        flush_every_s=0,
+        state_folder=folder,
+        run_name="tiny",
     )
 
 
@@ -105,8 +114,17 @@ def test_a_dead_tracking_server_never_reaches_a_step_and_the_next_launch_deliver
 def test_progress_lines_parse_and_ignore_everything_else():
     from trainers.progress import format_progress, parse_progress
 
-    record = {"stage": "warm", "stage_index": 0, "step": 3, "tokens": 768, "stage_start": 0, "stage_end": 2560,
-              "loss": float("nan"), "tokens_per_sec": 1234.5, "elapsed_s": 1.5}  # fmt: skip
+    record = {
+        "stage": "warm",
+        "stage_index": 0,
+        "step": 3,
+        "tokens": 768,
+        "stage_start": 0,
+        "stage_end": 2560,
+        "loss": float("nan"),
+        "tokens_per_sec": 1234.5,
+        "elapsed_s": 1.5,
+    }
     assert parse_progress("  " + format_progress(record) + "\n") == {**record, "loss": None}
     assert parse_progress("2026-01-01 tessera.train: stage warm (0): fresh at 0 tokens") is None
     assert parse_progress("tessera.progress {not json") is None
@@ -130,7 +148,15 @@ def _job(root: Path, source: str, steps: int, every_steps: int, **kw):
     from tests.support.training import tiny_job, write_job
 
     stages = [StageConfig(name="ops", tokens=steps * STEP, mixture={"a": 1.0})]
-    job = tiny_job(root, {"a": source}, stages, seq_len=SEQ, global_batch_size=BATCH, checkpoint_every_tokens=every_steps * STEP, **kw)
+    job = tiny_job(
+        root,
+        {"a": source},
+        stages,
+        seq_len=SEQ,
+        global_batch_size=BATCH,
+        checkpoint_every_tokens=every_steps * STEP,
+        **kw,
+    )
     return job, write_job(job, root / "job.json")
 
 
@@ -192,7 +218,7 @@ def test_sigterm_and_sigint_exit_interrupted(tmp_path, source):
         cmd = [sys.executable, "-m", "trainers.train", "--job", str(job_path), "--stage", "0"]
         with open(tmp_path / f"{sig.name}.err", "w") as err:
             proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=err)
-        _wait_for(lambda: len(list_complete(job.save_folder)) > before, 180, "a new checkpoint", every=0.05)
+        _wait_for(lambda n=before: len(list_complete(job.save_folder)) > n, 180, "a new checkpoint", every=0.05)
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == ExitCode.INTERRUPTED, (tmp_path / f"{sig.name}.err").read_text()[-3000:]
     assert "stage ops (0): resume at" in (tmp_path / "SIGTERM.err").read_text()
@@ -209,15 +235,20 @@ def test_one_trainer_per_run_name(reference, tmp_path, source):
 
     import torch
 
-    from trainers.format.checkpoints import list_complete
     from tests.support.training import run_stage
+    from trainers.format.checkpoints import list_complete
 
     job, job_path = _job(tmp_path, source, LEASE_STEPS, LEASE_EVERY)
     procs, outs = {}, {}
     for name in ("a", "b"):
         outs[name] = tmp_path / f"{name}.err"
-        env = {**os.environ, **ENV, "TESSERA_LEASE_WAIT_S": "2", "TESSERA_HOLDER": f"test trainer {name}",
-               "TESSERA_SAMPLE_LOG": str(tmp_path / f"{name}.samples")}  # fmt: skip
+        env = {
+            **os.environ,
+            **ENV,
+            "TESSERA_LEASE_WAIT_S": "2",
+            "TESSERA_HOLDER": f"test trainer {name}",
+            "TESSERA_SAMPLE_LOG": str(tmp_path / f"{name}.samples"),
+        }
         with open(outs[name], "w") as err:
             cmd = [sys.executable, "-m", "trainers.train", "--job", str(job_path), "--stage", "0"]
             procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -268,25 +299,39 @@ def test_a_refused_lease_stops_every_rank(tmp_path, source):
     from infra.local import LocalBackend
 
     job, job_path = _job(tmp_path, source, 10, 4)
-    hold = "import sys, time; from trainers.folder_lock import acquire; acquire(sys.argv[1], 'tiny', 0); print('held', flush=True); time.sleep(600)"
+    hold = (
+        "import sys, time; from trainers.folder_lock import acquire; acquire(sys.argv[1], 'tiny', 0); "
+        "print('held', flush=True); time.sleep(600)"
+    )
     holder = subprocess.Popen(
-        [sys.executable, "-c", hold, job.save_folder], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", hold, job.save_folder],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "TESSERA_HOLDER": "flow run 'tiny' 1234"},
-    )  # fmt: skip
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         logs = tmp_path / "logs"
         launched = LocalBackend(ComputeConfig(procs_per_node=2)).launch(
-            "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=logs, env={**ENV, "TESSERA_LEASE_WAIT_S": "1"}
+            "trainers.train",
+            ["--job", str(job_path), "--stage", "0"],
+            log_dir=logs,
+            env={**ENV, "TESSERA_LEASE_WAIT_S": "1"},
         )
         assert launched.wait(timeout=180) == ExitCode.FATAL, launched.tail(40)
         assert launched.process.returncode == ExitCode.FATAL  # rank 0's own code too, not a SIGTERM answer
-        line = rf"tessera\.train: fatal: run 'tiny' is already being trained by pid {holder.pid} on host \S+ \(flow run 'tiny' 1234\) since [-0-9: ]+; a second trainer would corrupt its checkpoints"
+        line = (
+            rf"tessera\.train: fatal: run 'tiny' is already being trained by pid {holder.pid} on host \S+ "
+            r"\(flow run 'tiny' 1234\) since [-0-9: ]+; a second trainer would corrupt its checkpoints"
+        )
         assert re.search(line, launched.log_path.read_text()), launched.tail(40)
         rank1 = (logs / "rank1.stderr.log").read_text()
-        assert [x for x in rank1.splitlines() if "fatal" in x and re.fullmatch(line, x)] == [
-            x for x in rank1.splitlines() if "fatal" in x or "Traceback" in x
-        ] != []
+        assert (
+            [x for x in rank1.splitlines() if "fatal" in x and re.fullmatch(line, x)]
+            == [x for x in rank1.splitlines() if "fatal" in x or "Traceback" in x]
+            != []
+        )
         assert sorted(p.name for p in Path(job.save_folder).iterdir()) == ["tiny.lock"]  # no ledger, no repair
     finally:
         holder.kill()
@@ -314,8 +359,13 @@ _read(store, "tessera/plan")
 def test_a_rank_stopped_after_reading_a_fatal_setup_failure_still_exits_fatal():
     """The race behind a refused lease exiting 76 on rank 0: the code is decided when the failure is read,
     so the launcher's SIGTERM for the survivors cannot turn FATAL into INTERRUPTED."""
-    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_AFTER_A_POSTED_FAILURE], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, **ENV, "RANK": "0", "WORLD_SIZE": "2"})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERM_AFTER_A_POSTED_FAILURE],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENV, "RANK": "0", "WORLD_SIZE": "2"},
+    )
     try:
         assert proc.stdout.readline() == "posted\n"
         time.sleep(1)  # inside _read's wait for rank 1, which never reads
@@ -334,17 +384,21 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
 
     from infra.config import ComputeConfig
     from infra.local import LocalBackend
-    from trainers.format.checkpoints import list_complete
     from tests.support.training import live_group_members
+    from trainers.format.checkpoints import list_complete
 
     job, job_path = _job(tmp_path, source, 300, 50)
     logs = tmp_path / "logs"
     supervisor = (
-        "import sys, time; from pathlib import Path; from infra.config import ComputeConfig; from infra.local import LocalBackend; "
-        "job = LocalBackend(ComputeConfig(procs_per_node=2)).launch('trainers.train', ['--job', sys.argv[1], '--stage', '0'], "
+        "import sys, time; from pathlib import Path; from infra.config import ComputeConfig; "
+        "from infra.local import LocalBackend; "
+        "job = LocalBackend(ComputeConfig(procs_per_node=2)).launch('trainers.train', "
+        "['--job', sys.argv[1], '--stage', '0'], "
         f"log_dir=Path(sys.argv[2]), env={ENV!r}); print(job.process.pid, flush=True); time.sleep(600)"
     )
-    flow = subprocess.Popen([sys.executable, "-c", supervisor, str(job_path), str(logs)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    flow = subprocess.Popen(
+        [sys.executable, "-c", supervisor, str(job_path), str(logs)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     group = int(flow.stdout.readline())
     assert len(_wait_for(lambda: live_group_members(group), 30, "the job's processes")) >= 1
     _wait_for(lambda: list_complete(job.save_folder), 180, "the first checkpoint", every=0.05)
@@ -357,12 +411,17 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
     gone_after = time.monotonic() - killed_at
     last = list_complete(job.save_folder)[-1].tokens
     assert last < 300 * STEP, "the job finished before its supervisor died; nothing was tested"
-    said = f"tessera.train: supervisor process {flow.pid} is gone; stopping (a relaunch resumes from the last checkpoint)"
+    said = (
+        f"tessera.train: supervisor process {flow.pid} is gone; stopping (a relaunch resumes from the last checkpoint)"
+    )
     launcher = (logs / "rank0.log").read_text()
     # The rank whose watchdog fires first says so; the launcher then SIGTERMs the other, which may
     # beat that rank's own watchdog. Either way every rank leaves INTERRUPTED.
     assert said in launcher or said in (logs / "rank1.stderr.log").read_text(), launcher[-3000:]
-    assert set(re.findall(r"Global rank (\d) \(PID \d+\) exited with code (-?\d+)", launcher)) == {("0", "76"), ("1", "76")}
+    assert set(re.findall(r"Global rank (\d) \(PID \d+\) exited with code (-?\d+)", launcher)) == {
+        ("0", "76"),
+        ("1", "76"),
+    }
 
     relaunch = LocalBackend(ComputeConfig(procs_per_node=2)).launch(
         "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=logs, env=ENV
@@ -388,18 +447,23 @@ def test_metrics_survive_a_tracking_server_outage(tmp_path, source, outage_s):
 
     from infra.config import ComputeConfig
     from infra.local import LocalBackend
+    from tests.support.training import MlflowServer
     from trainers.metrics_outbox import journal_path
     from trainers.progress import parse_progress
-    from tests.support.training import MlflowServer
 
     with MlflowServer(tmp_path / "mlflow") as server:
         client = MlflowClient(server.uri)
         run_id = client.create_run(client.create_experiment("outage")).info.run_id
         target = MlflowTarget(tracking_uri=server.uri, run_id=run_id)
         job, job_path = _job(tmp_path, source, OUTAGE_STEPS, 200, mlflow=target, keep_checkpoints=2)
-        env = {**ENV, "TESSERA_METRICS_FLUSH_S": "1", "TESSERA_PROGRESS_S": "1",
-               # what the flow sets for the trainer: few, short HTTP retries inside MLflow itself
-               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}  # fmt: skip
+        env = {
+            **ENV,
+            "TESSERA_METRICS_FLUSH_S": "1",
+            "TESSERA_PROGRESS_S": "1",
+            # what the flow sets for the trainer: few, short HTTP retries inside MLflow itself
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+        }
         launched = LocalBackend(ComputeConfig()).launch(
             "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=tmp_path / "logs", env=env
         )

@@ -16,10 +16,10 @@ def _cached_bytes(root: Path) -> int:
 def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, moto_s3, monkeypatch):
     from streaming.base.util import bytes_to_int
 
+    from tests.support.training import tiny_job, write_mds
     from trainers.config import StageConfig
     from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
     from trainers.data import build_stage_data, build_val_evaluators
-    from tests.support.training import tiny_job, write_mds
 
     local = write_mds(tmp_path / "a", 8000, SEQ, 512, seed=1)  # 64 KiB shards: 8 of them
     shards = sorted(local.glob("*.mds"))
@@ -31,11 +31,20 @@ def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, mo
     volume = tmp_path / "cache-volume"
     monkeypatch.setenv(CACHE_ENV, str(volume))
     limit = "256kb"  # Streaming's minimum (4 shards), well short of all of them
-    assert 4 * max(f.stat().st_size for f in shards) <= bytes_to_int(limit) < sum(f.stat().st_size for f in shards) / 1.5
+    assert (
+        4 * max(f.stat().st_size for f in shards) <= bytes_to_int(limit) < sum(f.stat().st_size for f in shards) / 1.5
+    )
 
     stage = StageConfig(name="s", tokens=8000 * SEQ, mixture={"a": 1.0})
-    job = tiny_job(tmp_path / "run", {"a": "s3://data/prepared/a/train"}, [stage], seq_len=SEQ, stream_cache_limit=limit,
-                   val_streams={"a": "s3://data/prepared/a/val"}, val_batches=1000)  # fmt: skip
+    job = tiny_job(
+        tmp_path / "run",
+        {"a": "s3://data/prepared/a/train"},
+        [stage],
+        seq_len=SEQ,
+        stream_cache_limit=limit,
+        val_streams={"a": "s3://data/prepared/a/val"},
+        val_batches=1000,
+    )
     train = build_stage_data(job.stage(0), job.train, 1).dataloader
     assert train.dataset.cache_limit == bytes_to_int(limit)
     assert Path(train.dataset.streams[0].local).parent == volume  # cached on the volume, not in /tmp
@@ -43,7 +52,9 @@ def test_remote_data_is_cached_on_the_cache_volume_within_the_limit(tmp_path, mo
     # A held-out split is read in order, so the bound shows: shards read longest ago are evicted.
     # (A shuffled stage reads across its whole shuffle block, here every shard: with a limit below
     # that, Streaming waits for space that never frees. The recipe field says so.)
-    val = build_val_evaluators(job.val_streams, job.seq_len, job.train, 1, due=lambda state, event: True)[0].dataloader.dataloader
+    val = build_val_evaluators(job.val_streams, job.seq_len, job.train, 1, due=lambda state, event: True)[
+        0
+    ].dataloader.dataloader
     seen, peak = [], 0
     for batch in val:
         seen += batch["sample_idx"].tolist()

@@ -26,8 +26,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.ui]
 
 CHROMIUM = os.environ.get("TESSERA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # Chromium as root in a container, without the background traffic a closed network refuses
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]  # fmt: skip
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 RUN = "ui-form"
 BUDGETS = [("literary", "24576"), ("stories", "8192")]
 
@@ -35,8 +41,10 @@ BUDGETS = [("literary", "24576"), ("stories", "8192")]
 def field(page, label: str, tag: str = "input"):
     """The input of the form property whose label starts with `label` (the Prefect form has no for= ids)."""
     prop = "contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')"
-    return page.locator(f"xpath=//span[contains(@class,'schema-form-property__label')]"
-                        f"[starts-with(normalize-space(), '{label}')]/ancestor::div[{prop}][1]//{tag}")  # fmt: skip
+    return page.locator(
+        f"xpath=//span[contains(@class,'schema-form-property__label')]"
+        f"[starts-with(normalize-space(), '{label}')]/ancestor::div[{prop}][1]//{tag}"
+    )
 
 
 class Person:
@@ -181,8 +189,11 @@ def test_cancel_shows_cancelled_with_what_stays(first_hour):
 
 
 def test_the_rerun_says_where_it_resumed(first_hour):
-    assert re.fullmatch(r"stage literary: resuming run ui-form from the checkpoint at [\d,]+ tokens \(step \d+\), "
-                        r"written \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", first_hour["resumed_text"].strip())  # fmt: skip
+    assert re.fullmatch(
+        r"stage literary: resuming run ui-form from the checkpoint at [\d,]+ tokens \(step \d+\), "
+        r"written \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC",
+        first_hour["resumed_text"].strip(),
+    )
     assert first_hour["resumed"]["state"]["type"] == "COMPLETED"
 
 
@@ -194,10 +205,10 @@ def test_a_second_click_reads_as_a_refusal(first_hour):
 
 
 def test_mlflow_shows_the_run_and_the_registry(first_hour, person):
+    from mlflow.tracking import MlflowClient
+
     from tasks.mlflow_run import model_ui_url, run_ui_url
     from tasks.tracking_config import TrackingConfig
-
-    from mlflow.tracking import MlflowClient
 
     client = MlflowClient(person.stack.mlflow_url, person.stack.mlflow_url)
     experiment = client.get_experiment_by_name("tessera-tiny")

@@ -31,11 +31,11 @@ from trainers.data import (
 from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
 from trainers.faults import Probe
 from trainers.format.mlflow_model import download_model
-from trainers.optimizer_seed import seed_optimizer
-from trainers.remote import fetch_folder
 from trainers.layout import RunFolder
+from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.progress import format_start
+from trainers.remote import fetch_folder
 from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
@@ -146,10 +146,16 @@ def _say_start(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
         with contextlib.suppress(OSError):
             mtime = Path(ckpt["path"]).stat().st_mtime
             written = dt.datetime.fromtimestamp(mtime, dt.UTC).isoformat(timespec="seconds")
-    record = {"stage": stage.name, "stage_index": stage_index,
-              "kind": "done" if plan.tokens >= stage.end else plan.kind, "tokens": plan.tokens,
-              "step": ckpt.get("batch", 0), "checkpoint": ckpt.get("path"), "written": written,
-              "init_from": job.model.init_from if plan.kind == "fresh" else None}  # fmt: skip
+    record = {
+        "stage": stage.name,
+        "stage_index": stage_index,
+        "kind": "done" if plan.tokens >= stage.end else plan.kind,
+        "tokens": plan.tokens,
+        "step": ckpt.get("batch", 0),
+        "checkpoint": ckpt.get("path"),
+        "written": written,
+        "init_from": job.model.init_from if plan.kind == "fresh" else None,
+    }
     print(format_start(record), file=sys.stdout, flush=True)
 
 
@@ -170,7 +176,10 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     _, world_size = world()
     if world_size > 1:
         # No rank loads before every node has its file; each node's first rank says when it has.
-        node, nodes = int(os.environ.get("NODE_RANK", "0")), world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        node, nodes = (
+            int(os.environ.get("NODE_RANK", "0")),
+            world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        )
 
         def ready() -> bool:
             if node != 0:  # rank 0's node has the file: rank 0 planned from it
@@ -290,11 +299,18 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     schedule = GlobalLRSchedule(job.train, stage.tokens_per_batch)
     flops = model_lib.flops_per_token(job.model, job.vocab_size, stage.seq_len).total
     metrics = MlflowMetrics(
-        job.mlflow, schedule, flops, stage.name, stage.start, job.checkpoint_every_tokens, stage.tokens_per_batch,
-        state_folder=Path(job.save_folder), run_name=job.run_name,
+        job.mlflow,
+        schedule,
+        flops,
+        stage.name,
+        stage.start,
+        job.checkpoint_every_tokens,
+        stage.tokens_per_batch,
+        state_folder=Path(job.save_folder),
+        run_name=job.run_name,
         # After a rollback the re-trained steps see other data: their metrics differ and are logged again.
         relog=bool(skip),
-    )  # fmt: skip
+    )
     saver = PublishingCheckpointSaver(job, stage_index)
     rng = RestoreRng()
     callbacks = [
@@ -322,8 +338,13 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         train_dataloader=build_stage_data(stage, job.train, world_size),
         # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
         eval_dataloader=build_val_evaluators(
-            job.val_streams, job.seq_len, job.train, world_size, checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END)
-        ) or None,
+            job.val_streams,
+            job.seq_len,
+            job.train,
+            world_size,
+            checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END),
+        )
+        or None,
         optimizers=optimizer_for(hf_model, job.train.optim),
         max_duration=f"{stage.end}tok",
         device_train_microbatch_size=microbatch,

@@ -54,7 +54,9 @@ class MlflowMetrics(Callback):
         self.stage_name = stage_name
         self.stage_start = stage_start
         # How often queued metrics are shipped; TESSERA_METRICS_FLUSH_S=0 ships every step.
-        self.flush_every_s = float(os.environ.get("TESSERA_METRICS_FLUSH_S", "10")) if flush_every_s is None else flush_every_s
+        self.flush_every_s = (
+            float(os.environ.get("TESSERA_METRICS_FLUSH_S", "10")) if flush_every_s is None else flush_every_s
+        )
         # Where the journal and the logged marker live: the run's save folder. Without one nothing is
         # sent, since nothing sent could be accounted for across a kill.
         self.state_folder = state_folder
@@ -169,7 +171,9 @@ class Progress(Callback):
     (default 10), and one after the step that reaches the end of the stage.
     """
 
-    def __init__(self, stage_name: str, stage_index: int, stage_start: int, stage_end: int, every_s: float | None = None):
+    def __init__(
+        self, stage_name: str, stage_index: int, stage_start: int, stage_end: int, every_s: float | None = None
+    ):
         self.stage_name = stage_name
         self.stage_index = stage_index
         self.stage_start = stage_start
@@ -214,8 +218,9 @@ class LossGuard(Callback):
     saved) and how much data the launch already skipped from there, for the rollback record.
     """
 
-    def __init__(self, cfg: LossGuardConfig, stage_index: int, resume_tokens: int, already_skipped: int, saver,
-                 vocab_size: int):  # fmt: skip
+    def __init__(
+        self, cfg: LossGuardConfig, stage_index: int, resume_tokens: int, already_skipped: int, saver, vocab_size: int
+    ):
         self.cfg = cfg
         self.ceiling = 3 * math.log(vocab_size) if cfg.ceiling == "auto" else cfg.ceiling
         self.stage_index = stage_index
@@ -234,7 +239,10 @@ class LossGuard(Callback):
         if not math.isfinite(loss):
             problem = f"loss is {loss} at {tokens} tokens"
         elif self.ceiling is not None and loss > self.ceiling:
-            problem = f"loss is {loss:.4g} at {tokens} tokens, above the ceiling {self.ceiling:.2f} (train.loss_guard.ceiling)"
+            problem = (
+                f"loss is {loss:.4g} at {tokens} tokens, above the ceiling {self.ceiling:.2f} "
+                "(train.loss_guard.ceiling)"
+            )
         elif self.cfg.spike_factor and self.mean is not None and self.steps >= self.cfg.warmup_steps:
             if loss > self.cfg.spike_factor * self.mean:
                 problem = f"loss spiked to {loss:.4f} (running mean {self.mean:.4f}) at {tokens} tokens"

@@ -32,7 +32,9 @@ class ModelConfig(_Strict):
     d_model: PositiveInt = Field(64, description="Residual stream width.")
     n_heads: PositiveInt = Field(4, description="Attention heads; d_model must divide evenly.")
     n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads for GQA; defaults to n_heads.")
-    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden width; defaults to 8/3*d_model rounded to 64.")
+    ffn_hidden: PositiveInt | None = Field(
+        None, description="SwiGLU hidden width; defaults to 8/3*d_model rounded to 64."
+    )
     tie_embeddings: bool = Field(True, description="Share the input embedding with the output projection.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
@@ -113,7 +115,9 @@ class LossGuardConfig(_Strict):
 
     enabled: bool = Field(True, description="Check every step's loss.")
     spike_factor: float | None = Field(
-        None, gt=1, description="A loss above spike_factor x its running mean counts as a spike; null checks NaN/inf only."
+        None,
+        gt=1,
+        description="A loss above spike_factor x its running mean counts as a spike; null checks NaN/inf only.",
     )
     ceiling: float | Literal["auto"] | None = Field(
         "auto",
@@ -157,7 +161,8 @@ class TrainConfig(_Strict):
     init_optimizer_from: str | None = Field(
         None,
         description="Continued pretraining: a Composer checkpoint (path or s3:// URI) whose optimizer state seeds a "
-        "fresh run, when its parameter shapes match the model; otherwise the optimizer starts fresh (the run says which).",
+        "fresh run, when its parameter shapes match the model; otherwise the optimizer starts fresh "
+        "(the run says which).",
     )
     val_batches: int = Field(
         8,
@@ -288,7 +293,8 @@ class TrainJob(_Strict):
     seq_len: PositiveInt = Field(..., description="Tokens per packed sample.")
     streams: dict[str, str] = Field(..., description="Source name -> prepared MDS directory (local path or URI).")
     val_streams: dict[str, str] = Field(
-        default_factory=dict, description="Source name -> its held-out val MDS directory, for the sources that have one."
+        default_factory=dict,
+        description="Source name -> its held-out val MDS directory, for the sources that have one.",
     )
     seq_len_streams: dict[int, dict[str, str]] = Field(
         default_factory=dict,

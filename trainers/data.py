@@ -79,7 +79,8 @@ def build_stage_data(stage: Stage, train: TrainConfig, world_size: int) -> DataS
     """The train DataSpec of one stage, for one rank of `world_size`."""
     if stage.batch_size % world_size:
         raise ValueError(
-            f"stage {stage.name!r}: global batch size {stage.batch_size} is not divisible by the process count ({world_size})"
+            f"stage {stage.name!r}: global batch size {stage.batch_size} is not divisible by the process count "
+            f"({world_size})"
         )
     device_batch = stage.batch_size // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
@@ -126,8 +127,13 @@ def build_val_evaluators(
     device_batch = max(1, train.global_batch_size // world_size)
     evaluators = []
     for name, path in sorted(val_streams.items()):
-        dataset = TokenSamples(seq_len=seq_len, streams=[_stream(path)], batch_size=device_batch, shuffle=False,
-                               cache_limit=_cache_limit(train, [path]))
+        dataset = TokenSamples(
+            seq_len=seq_len,
+            streams=[_stream(path)],
+            batch_size=device_batch,
+            shuffle=False,
+            cache_limit=_cache_limit(train, [path]),
+        )
         loader = StreamingDataLoader(dataset, batch_size=device_batch, collate_fn=collate, num_workers=0)
         evaluators.append(
             Evaluator(

@@ -101,8 +101,13 @@ def _distributed_error_types() -> tuple[type[BaseException], ...]:
         import torch.distributed as dist
     except ImportError:
         return ()
-    return tuple(t for t in (getattr(dist, n, None) for n in ("DistError", "DistBackendError", "DistNetworkError",
-                                                              "DistStoreError")) if isinstance(t, type))  # fmt: skip
+    return tuple(
+        t
+        for t in (
+            getattr(dist, n, None) for n in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+        )
+        if isinstance(t, type)
+    )
 
 
 def _out_of_memory_types() -> tuple[type[BaseException], ...]:

@@ -1,4 +1,4 @@
-"""The save folder's lock: one trainer per run name; global rank 0 holds an exclusive flock on `<save_folder>/<run>.lock`.
+"""The save folder's lock: one trainer per run name; global rank 0 holds a flock on `<save_folder>/<run>.lock`.
 
 (The other two exclusions: the run-name slot, tasks/run_slot.py, one live flow run per run name; an
 output's claim, tasks/data/claim.py, one writer per prepared-data directory.)
@@ -112,7 +112,9 @@ def acquire(save_folder: str | Path, run_name: str, wait_s: float | None = None)
                     "a second trainer would corrupt its checkpoints"
                 ) from None
             if not announced:
-                log.info("run %r is held by %s; waiting up to %.0f s for it to exit", run_name, _holder_text(path), left)
+                log.info(
+                    "run %r is held by %s; waiting up to %.0f s for it to exit", run_name, _holder_text(path), left
+                )
                 announced = True
             time.sleep(min(_POLL_S, left))
     record = {

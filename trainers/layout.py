@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainers.config import TrainJob
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
-from trainers.config import TrainJob
 
 log = logging.getLogger("tessera.layout")
 
@@ -108,8 +108,9 @@ class RunFolder:
     def set_aside(self, path: Path) -> None:
         """A complete file that no step of the curriculum explains: moved out of autoresume's way, kept."""
         os.replace(path, path.with_name(path.name + ".unpublished"))
-        log.warning("checkpoint %s matches no step of this job's curriculum: set aside as %s.unpublished",
-                    path, path.name)  # fmt: skip
+        log.warning(
+            "checkpoint %s matches no step of this job's curriculum: set aside as %s.unpublished", path, path.name
+        )
 
     def retire(self, info: CheckpointInfo) -> None:
         """Rotate a published checkpoint out: the manifest first, so a watcher never sees one whose file

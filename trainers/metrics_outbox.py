@@ -139,7 +139,9 @@ class Outbox:
 
     # ------------------------------------------------------------ training thread: memory and local disk only
 
-    def put(self, tokens: int | None, metrics: Mapping[str, float] | None = None, tags: Mapping[str, str] | None = None) -> None:
+    def put(
+        self, tokens: int | None, metrics: Mapping[str, float] | None = None, tags: Mapping[str, str] | None = None
+    ) -> None:
         """Queue one step's metrics (step = tokens) and/or run tags, stamped now; non-finite values are left out."""
         now = int(time.time() * 1000)
         step = tokens or 0
@@ -179,8 +181,11 @@ class Outbox:
             # One line, and no join: the thread may sit in an HTTP call for MLFLOW_HTTP_REQUEST_TIMEOUT.
             log.warning(
                 "metrics: %d row(s) not delivered to MLflow at %s within %.0f s; they stay in %s for the next launch",
-                left, self.target.tracking_uri, wait_s, self.journal,
-            )  # fmt: skip
+                left,
+                self.target.tracking_uri,
+                wait_s,
+                self.journal,
+            )
         else:
             self._thread.join(timeout=5)
         return left
@@ -252,7 +257,9 @@ class Outbox:
         self._queue.extend(pending)
         self._journaled = len(pending)
         self._wake = True
-        log.info("metrics: %d row(s) journaled by an earlier launch go to MLflow first (%s)", len(pending), self.journal)
+        log.info(
+            "metrics: %d row(s) journaled by an earlier launch go to MLflow first (%s)", len(pending), self.journal
+        )
 
     # ------------------------------------------------------------ shipper thread
 
@@ -285,8 +292,10 @@ class Outbox:
                     return False
                 log.warning(
                     "metrics: MLflow at %s refused %d row(s) for good, dropping them: %s",
-                    self.target.tracking_uri, len(chunk), _one_line(exc),
-                )  # fmt: skip
+                    self.target.tracking_uri,
+                    len(chunk),
+                    _one_line(exc),
+                )
             else:
                 self._recovered()
             self._retire(chunk)
@@ -328,15 +337,19 @@ class Outbox:
             log.warning(
                 "metrics: MLflow at %s is not accepting metrics (%s); training goes on, metrics are kept "
                 "in %s and retried every %.0f s at most",
-                self.target.tracking_uri, _one_line(exc), self.journal, MAX_RETRY_S,
-            )  # fmt: skip
+                self.target.tracking_uri,
+                _one_line(exc),
+                self.journal,
+                MAX_RETRY_S,
+            )
 
     def _recovered(self) -> None:
         if self._failing_since is not None:
             log.warning(
                 "metrics: MLflow at %s accepts metrics again after %.0f s; delivering the rows held back",
-                self.target.tracking_uri, time.monotonic() - self._failing_since,
-            )  # fmt: skip
+                self.target.tracking_uri,
+                time.monotonic() - self._failing_since,
+            )
             self._failing_since = None
 
 

@@ -16,16 +16,14 @@ an SDPA attention path that runs flash / memory-efficient kernels on GPU.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.config import ModelConfig
-from trainers.format.meta import empty_like_meta, parameters_on_meta
 from trainers.exit_codes import FatalError
+from trainers.format.meta import empty_like_meta, parameters_on_meta
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
 # with the GPT-NeoX vocabulary of ~50k and tied embeddings). Per-block weights are
@@ -151,10 +149,14 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
     theirs = AutoConfig.from_pretrained(source_dir)
     ours = model.config
     for field, name in [
-        ("num_hidden_layers", "n_layers"), ("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
-        ("num_key_value_heads", "n_kv_heads"), ("intermediate_size", "ffn_hidden"), ("vocab_size", "vocab_size"),
+        ("num_hidden_layers", "n_layers"),
+        ("hidden_size", "d_model"),
+        ("num_attention_heads", "n_heads"),
+        ("num_key_value_heads", "n_kv_heads"),
+        ("intermediate_size", "ffn_hidden"),
+        ("vocab_size", "vocab_size"),
         ("tie_word_embeddings", "tie_embeddings"),
-    ]:  # fmt: skip
+    ]:
         if getattr(theirs, field, None) != getattr(ours, field):
             raise FatalError(
                 f"model.init_from: {source_dir} has {field}={getattr(theirs, field, None)!r} but the recipe "

@@ -48,8 +48,10 @@ def seed_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
     for name, moments in saved["state"].items():
         for key, value in moments.items():
             if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[name].shape:
-                return (f"fresh: {checkpoint} has {key} of {name} shaped {tuple(value.shape)}, "
-                        f"the model's is {tuple(params[name].shape)}")  # fmt: skip
+                return (
+                    f"fresh: {checkpoint} has {key} of {name} shaped {tuple(value.shape)}, "
+                    f"the model's is {tuple(params[name].shape)}"
+                )
     lrs = [g["lr"] for g in optimizer.param_groups]
     set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):  # the new run's schedule sets the LR

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Literal
 
 from trainers import trained_stages
-from trainers.format import checkpoints
-from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError
 from trainers.faults import maybe_stall
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.layout import RunFolder, discard
 from trainers.remote import RemoteFolder, reconcile
 
@@ -123,8 +123,13 @@ def _rederived(stage: Stage, tokens: int, path: Path) -> CheckpointInfo | None:
     into = tokens - stage.start
     if not 0 < into <= stage.tokens or into % stage.tokens_per_batch:
         return None
-    return CheckpointInfo(path=str(path.resolve()), tokens=tokens, batch=stage.first_batch + into // stage.tokens_per_batch,
-                          stage=stage.name, stage_index=stage.index)  # fmt: skip
+    return CheckpointInfo(
+        path=str(path.resolve()),
+        tokens=tokens,
+        batch=stage.first_batch + into // stage.tokens_per_batch,
+        stage=stage.name,
+        stage_index=stage.index,
+    )
 
 
 def _verified_newest(folder: RunFolder, stage_index: int, good: list[CheckpointInfo]) -> list[CheckpointInfo]:

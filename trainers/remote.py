@@ -5,8 +5,8 @@ Composer autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_na
 
 - after a checkpoint is published locally, its .pt is uploaded by a background thread (training
   does not wait), and only once that upload has finished is its manifest uploaded. The remote
-  manifest is the remote done-marker: a remote .pt without one is never trusted, exactly as locally. Keep-last-K rotates the remote the same way
-  (manifest first, then the .pt);
+  manifest is the remote done-marker: a remote .pt without one is never trusted, exactly as locally.
+  Keep-last-K rotates the remote the same way (manifest first, then the .pt);
 - before a launch plans its start point, the run files (stage ledger, rollback records) are
   pulled, local complete checkpoints the remote lacks are uploaded (a kill between the local
   publish and the upload), and the checkpoint this launch starts from is downloaded when the
@@ -25,10 +25,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainers.format import checkpoints
-from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.layout import RunFolder, discard
 
 log = logging.getLogger("tessera.remote")

@@ -16,10 +16,10 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from trainers.format import checkpoints
-from trainers.format.checkpoints import CheckpointInfo
 from trainers.config import Stage, TrainJob
 from trainers.faults import maybe_fault
+from trainers.format import checkpoints
+from trainers.format.checkpoints import CheckpointInfo
 from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
 

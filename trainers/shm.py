@@ -43,8 +43,9 @@ def clean_stale_streaming_shm() -> list[str]:
     if not SHM_DIR.is_dir():
         return []
     live = _mapped_prefixes()
-    stale = sorted(p.name for p in SHM_DIR.iterdir()
-                   if (m := _STREAMING_NAME.fullmatch(p.name)) and m.group(1) not in live)  # fmt: skip
+    stale = sorted(
+        p.name for p in SHM_DIR.iterdir() if (m := _STREAMING_NAME.fullmatch(p.name)) and m.group(1) not in live
+    )
     for name in stale:
         try:
             (SHM_DIR / name).unlink()

@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 from trainers.exit_codes import ExitCode
 
-from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 CHECK_EVERY_S = 1.0
 
 

@@ -17,6 +17,7 @@ from trainers.exit_codes import ExitCode, FatalError, classify, code_on_signal, 
 from trainers.jobfile import load_job
 from trainers.supervisor import supervisor_gone, watch_supervisor
 
+
 def stop_on_signals() -> None:
     """SIGTERM and SIGINT leave at once with a code a supervisor can read.
 

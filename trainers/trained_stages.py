@@ -26,8 +26,8 @@ def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
     for i, recorded in enumerate(trained):
         if i >= len(stages):
             raise FatalError(
-                f"train.stages: stage {recorded['name']!r} (index {i}) was already trained on but is missing from the job; "
-                "stages can be appended, not removed"
+                f"train.stages: stage {recorded['name']!r} (index {i}) was already trained on but is missing from "
+                "the job; stages can be appended, not removed"
             )
         current = stages[i].model_dump(mode="json")
         # Through the model, so fields added to StageConfig since the ledger was written compare as their defaults.

@@ -4,13 +4,13 @@ One of tessera's three exclusions, each named for what it guards: the run-name s
 one live flow run per run name), this claim (one writer per prepared output), and the save folder's
 lock (trainers/folder_lock.py, one trainer per run's checkpoints).
 
-A claim (a "lease" in the code below) is a lock file beside the output, `.<name>.lease`, created with O_CREAT|O_EXCL (atomic on
-local filesystems and on NFSv3+), holding its owner's token, host and pid. The holder refreshes
-the file's mtime every TTL_S/4; that mtime is the heartbeat. A lease is stale when its heartbeat is
-older than TTL_S, or at once when its host is this one and its pid is gone (a killed run on this
-machine need not wait out the TTL). A waiter takes a stale lease over; while the holder lives, it
-waits and then finds the output done and reuses it. Only the lease holder touches the output's
-staging directories, so no run deletes a live run's work, whatever host it is on.
+A claim (a "lease" in the code below) is a lock file beside the output, `.<name>.lease`, created with
+O_CREAT|O_EXCL (atomic on local filesystems and on NFSv3+), holding its owner's token, host and pid. The
+holder refreshes the file's mtime every TTL_S/4; that mtime is the heartbeat. A lease is stale when its
+heartbeat is older than TTL_S, or at once when its host is this one and its pid is gone (a killed run on
+this machine need not wait out the TTL). A waiter takes a stale lease over; while the holder lives, it
+waits and then finds the output done and reuses it. Only the lease holder touches the output's staging
+directories, so no run deletes a live run's work, whatever host it is on.
 
 Why not fcntl/flock: their behaviour on network filesystems varies (NFS needs lockd, many FUSE
 and object-store mounts ignore them), and a dead host's lock is then released when the server
@@ -136,8 +136,15 @@ def _create(path: str, owner: str) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        json.dump({"owner": owner, "host": HOST, "pid": os.getpid(),
-                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+        json.dump(
+            {
+                "owner": owner,
+                "host": HOST,
+                "pid": os.getpid(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            f,
+        )
     return True
 
 
@@ -167,8 +174,9 @@ def _break(path: str, seen: Holder) -> None:
 
 
 @contextlib.contextmanager
-def hold(out: str, on_wait: Callable[[Holder], None] | None = None,
-         check_stop: Callable[[], None] | None = None) -> Iterator[Lease]:
+def hold(
+    out: str, on_wait: Callable[[Holder], None] | None = None, check_stop: Callable[[], None] | None = None
+) -> Iterator[Lease]:
     """Hold the lease on `out` for the block, waiting while a live run holds it.
 
     `on_wait(holder)` is called once when this run has to wait; `check_stop()` between polls,

@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-
 # About 1 MB of text, ~250k tokens: far above a paragraph, a web page or an article, and small
 # enough that every tokenizer process together stays well inside the prepare stage's 2 GB budget.
 DEFAULT_MAX_DOC_CHARS = 1_000_000
@@ -181,9 +180,12 @@ class DataConfig(_Strict):
     def _default_kind_text(cls, data: object) -> object:
         # The skeleton recipe form {name, paths, separator} predates `kind`; keep it meaning text.
         if isinstance(data, dict) and isinstance(data.get("sources"), list):
-            data = {**data, "sources": [
-                {**s, "kind": "text"} if isinstance(s, dict) and "kind" not in s else s for s in data["sources"]
-            ]}
+            data = {
+                **data,
+                "sources": [
+                    {**s, "kind": "text"} if isinstance(s, dict) and "kind" not in s else s for s in data["sources"]
+                ],
+            }
         return data
 
     @property
@@ -202,7 +204,7 @@ class DataConfig(_Strict):
     def _root_scheme(cls, root: str) -> str:
         if "://" in root and not root.startswith("s3://"):
             raise ValueError(f"{root}: only local directories and s3:// URIs are supported")
-        if root.startswith("s3://") and not root[len("s3://"):].strip("/"):
+        if root.startswith("s3://") and not root[len("s3://") :].strip("/"):
             raise ValueError(f"{root}: names no bucket")
         return root
 

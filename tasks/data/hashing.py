@@ -35,15 +35,21 @@ def fingerprints(src: SourceConfig) -> list[list]:
 
 
 def source_key(src: SourceConfig, files: list[list], tokenizer_fp: str, data: DataConfig) -> str:
-    return digest({
-        "source": src.model_dump(mode="json"),
-        "files": files,
-        "tokenizer": tokenizer_fp,
-        "seq_len": data.seq_len,
-        "format": {"compression": data.compression, "hashes": data.hashes, "shard_size": data.shard_size,
-                   "chunk_bytes": data.chunk_bytes},
-        "code": CODE_VERSION,
-    })
+    return digest(
+        {
+            "source": src.model_dump(mode="json"),
+            "files": files,
+            "tokenizer": tokenizer_fp,
+            "seq_len": data.seq_len,
+            "format": {
+                "compression": data.compression,
+                "hashes": data.hashes,
+                "shard_size": data.shard_size,
+                "chunk_bytes": data.chunk_bytes,
+            },
+            "code": CODE_VERSION,
+        }
+    )
 
 
 @lru_cache(maxsize=1)

@@ -29,7 +29,8 @@ from collections.abc import Iterator
 
 from tasks.data import parallel
 
-GRACE_S = 1.5  # for source threads to clear their staging (they check every batch or 0.2 s); killing children takes at most 1 s more
+# for source threads to clear their staging (they check every batch or 0.2 s); killing children takes at most 1 s more
+GRACE_S = 1.5
 _STOP = threading.Event()
 _EXITING = threading.Lock()
 _signal: int | None = None
@@ -115,8 +116,11 @@ def exit_now(wait: bool = True) -> None:
         cleanup(_since + GRACE_S if wait else None)
     _kill_children()
     # On a line of its own: Prefect's logging may have left one unfinished.
-    print(f"\ntessera: interrupted by {_name(signum)}: nothing partial was published; finished sources "
-          "are kept and a rerun reuses them", file=sys.stderr)
+    print(
+        f"\ntessera: interrupted by {_name(signum)}: nothing partial was published; finished sources "
+        "are kept and a rerun reuses them",
+        file=sys.stderr,
+    )
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -70,8 +70,7 @@ def columns(dtype: str, seq_len: int) -> dict[str, str]:
 class SplitWriter:
     """Packs ids into windows and writes them; the MDSWriter opens with the first full window."""
 
-    def __init__(self, out: str, seq_len: int, dtype: str, compression: str | None, hashes: list[str],
-                 shard_size: int):
+    def __init__(self, out: str, seq_len: int, dtype: str, compression: str | None, hashes: list[str], shard_size: int):
         self.out, self.seq_len, self.dtype = out, seq_len, dtype
         self.compression, self.hashes, self.shard_size = compression, list(hashes), shard_size
         self.packer = Packer(seq_len, dtype)
@@ -85,9 +84,15 @@ class SplitWriter:
         if windows is None or not len(windows):
             return
         if self._writer is None:
-            self._writer = writer_class()(out=self.out, columns=columns(self.dtype, self.seq_len),
-                                     compression=self.compression, hashes=self.hashes,
-                                     size_limit=self.shard_size, progress_bar=False, exist_ok=False)
+            self._writer = writer_class()(
+                out=self.out,
+                columns=columns(self.dtype, self.seq_len),
+                compression=self.compression,
+                hashes=self.hashes,
+                size_limit=self.shard_size,
+                progress_bar=False,
+                exist_ok=False,
+            )
         write = self._writer.write
         for row in windows:
             write({"tokens": row})

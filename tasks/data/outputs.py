@@ -28,8 +28,18 @@ from tasks.data.errors import DataError
 DONE = "_DONE"
 PROVENANCE = "provenance.json"
 
-PERMANENT_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EEXIST,
-                    errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
+PERMANENT_ERRNOS = {
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EEXIST,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+}
 
 _ACTIVE: set[str] = set()  # staging directories this process is filling now
 _ACTIVE_LOCK = threading.Lock()

@@ -116,11 +116,20 @@ def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
     c = prov["counts"]
     val = c["val"]
     return PreparedSource(
-        name=p.source.name, path=os.path.join(out, "train"),
+        name=p.source.name,
+        path=os.path.join(out, "train"),
         val_path=os.path.join(out, "val") if val["samples"] else None,
-        root=out, hash=p.key, documents=c["train"]["documents"], tokens=c["train"]["tokens_written"],
-        samples=c["train"]["samples"], val_documents=val["documents"], val_tokens=val["tokens_written"],
-        skipped=c["skipped_total"], truncated=c["truncated"], dtype=prov["tokenizer"]["dtype"], cached=cached,
+        root=out,
+        hash=p.key,
+        documents=c["train"]["documents"],
+        tokens=c["train"]["tokens_written"],
+        samples=c["train"]["samples"],
+        val_documents=val["documents"],
+        val_tokens=val["tokens_written"],
+        skipped=c["skipped_total"],
+        truncated=c["truncated"],
+        dtype=prov["tokenizer"]["dtype"],
+        cached=cached,
         warnings=prov.get("warnings", []),
     )
 
@@ -140,8 +149,13 @@ def uses_pool(p: Plan, data: DataConfig) -> bool:
 
 def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -> list[worker.Job]:
     units = readers.plan_units(p.source, list(p.refs), data.chunk_bytes, tally)
-    common = dict(source=p.source, tokenizer_json=tok.tokenizer_json, eos_id=tok.eos_token_id,
-                  bos_id=tok.bos_token_id, dtype=tok.dtype)
+    common = dict(
+        source=p.source,
+        tokenizer_json=tok.tokenizer_json,
+        eos_id=tok.eos_token_id,
+        bos_id=tok.bos_token_id,
+        dtype=tok.dtype,
+    )
     src = p.source
     # A cap must stop at the same document whatever the worker count, so capped sources run in order.
     if src.max_documents is not None or src.max_tokens is not None or isinstance(src, HFSource):
@@ -153,6 +167,7 @@ def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -
 def _run(jobs: list[worker.Job], workers: int, writers: dict[str, SplitWriter], progress) -> list[worker.JobResult]:
     """Run the jobs and feed their ids to the writers in job order, so the packing is the same as
     one process reading the whole source. A stop request ends it within one batch or one poll."""
+
     def sink(split: str, ids) -> None:
         interrupt.check()
         writers[split].add(ids)
@@ -196,14 +211,16 @@ def _job_result(future: concurrent.futures.Future) -> worker.JobResult:
             raise
 
 
-def prepare_source(src: SourceConfig, data: DataConfig, tok: TokenizerInfo,
-                   progress: Callable[[int, int], None] | None = None) -> PreparedSource:
+def prepare_source(
+    src: SourceConfig, data: DataConfig, tok: TokenizerInfo, progress: Callable[[int, int], None] | None = None
+) -> PreparedSource:
     """Plan `src` and prepare it (`prepare_planned`)."""
     return prepare_planned(plan(src, data, tok), data, tok, progress)
 
 
-def prepare_planned(p: Plan, data: DataConfig, tok: TokenizerInfo,
-                    progress: Callable[[int, int], None] | None = None) -> PreparedSource:
+def prepare_planned(
+    p: Plan, data: DataConfig, tok: TokenizerInfo, progress: Callable[[int, int], None] | None = None
+) -> PreparedSource:
     """Prepare the planned source under <root>/<name>-<hash>, or return the finished output if it exists.
 
     The finished output's `_DONE` is the only cache: a deleted or unfinished output is written again.
@@ -220,8 +237,10 @@ def prepare_planned(p: Plan, data: DataConfig, tok: TokenizerInfo,
     def waiting(holder: claim.Holder) -> None:
         log.warning("source %s: another run (%s) is preparing %s; waiting for it", src.name, holder.describe(), p.out)
 
-    with outputs.permanent_errors("cannot write prepared data"), \
-            claim.hold(p.out, on_wait=waiting, check_stop=interrupt.check) as held:
+    with (
+        outputs.permanent_errors("cannot write prepared data"),
+        claim.hold(p.out, on_wait=waiting, check_stop=interrupt.check) as held,
+    ):
         done = cached_result(p)
         if done is not None:
             log.info("source %s: prepared by the run we waited for, at %s", src.name, p.out)
@@ -229,8 +248,9 @@ def prepare_planned(p: Plan, data: DataConfig, tok: TokenizerInfo,
         return _write(p, data, tok, held, progress)
 
 
-def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
-           progress: Callable[[int, int], None] | None) -> PreparedSource:
+def _write(
+    p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease, progress: Callable[[int, int], None] | None
+) -> PreparedSource:
     src = p.source
     started = time.time()
     tally = readers.Tally(src.on_error)
@@ -238,8 +258,12 @@ def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
         tally.bad(pattern, why, "unreadable_path")
     workers = data.workers or parallel.default_workers()
     with outputs.staging(p.out, held) as staging:
-        writers = {split: SplitWriter(os.path.join(staging, split), data.seq_len, tok.dtype, data.compression,
-                                      data.hashes, data.shard_size) for split in ("train", "val")}
+        writers = {
+            split: SplitWriter(
+                os.path.join(staging, split), data.seq_len, tok.dtype, data.compression, data.hashes, data.shard_size
+            )
+            for split in ("train", "val")
+        }
         jobs = _jobs(p, data, tok, tally)
         results = _run(jobs, workers, writers, progress)
         for r in results:
@@ -258,20 +282,29 @@ def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
         docs = counts["train"]["documents"] + counts["val"]["documents"]
         where = f"source '{src.name}'"
         if docs == 0:
-            raise DataError(where, f"no documents ({sum(tally.skipped.values())} skipped, {tally.filtered} "
-                                   f"filtered, {len(p.refs)} files)")
+            raise DataError(
+                where,
+                f"no documents ({sum(tally.skipped.values())} skipped, {tally.filtered} filtered, {len(p.refs)} files)",
+            )
         if counts["train"]["samples"] == 0:
-            raise DataError(where, f"{counts['train']['tokens']} train tokens is less than one seq_len "
-                                   f"({data.seq_len}) sample")
+            raise DataError(
+                where, f"{counts['train']['tokens']} train tokens is less than one seq_len ({data.seq_len}) sample"
+            )
         if src.val_fraction > 0 and counts["val"]["samples"] == 0:
             # Training would silently report no validation loss for this source.
-            raise DataError(where, f"val_fraction={src.val_fraction} held out no validation sample "
-                                   f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
-                                   f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
-                                   "seq_len, or set val_fraction: 0")
-        warnings = [f"source '{src.name}': {path} ({size:,} bytes) is one document: the separator "
-                    f"{getattr(src, 'separator', None)!r} never occurs in it"
-                    for path, size in tally.unsplit if size >= UNSPLIT_WARN_BYTES]
+            raise DataError(
+                where,
+                f"val_fraction={src.val_fraction} held out no validation sample "
+                f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
+                f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
+                "seq_len, or set val_fraction: 0",
+            )
+        warnings = [
+            f"source '{src.name}': {path} ({size:,} bytes) is one document: the separator "
+            f"{getattr(src, 'separator', None)!r} never occurs in it"
+            for path, size in tally.unsplit
+            if size >= UNSPLIT_WARN_BYTES
+        ]
         for w in warnings:
             log.warning("%s", w)
         prov = {
@@ -281,7 +314,7 @@ def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
             "tokenizer": tok.model_dump(mode="json"),
             "seq_len": data.seq_len,
             "packing": "concatenate documents, each followed by EOS (BOS first when set); no padding; "
-                       "the final remainder of fewer than seq_len tokens per split is dropped",
+            "the final remainder of fewer than seq_len tokens per split is dropped",
             "counts": {
                 **counts,
                 "documents": docs,
@@ -293,8 +326,13 @@ def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
                 "capped": any(r.capped for r in results),
             },
             "warnings": warnings,
-            "format": {"columns": columns(tok.dtype, data.seq_len), "compression": data.compression,
-                       "hashes": list(data.hashes), "units": sum(r.units for r in results), "parts": len(jobs)},
+            "format": {
+                "columns": columns(tok.dtype, data.seq_len),
+                "compression": data.compression,
+                "hashes": list(data.hashes),
+                "units": sum(r.units for r in results),
+                "parts": len(jobs),
+            },
             "code_version": hashing.CODE_VERSION,
             "git_sha": hashing.git_sha(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -302,8 +340,13 @@ def _write(p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease,
             "seconds": round(time.time() - started, 3),
         }
         outputs.write_json(os.path.join(staging, outputs.PROVENANCE), prov)
-    log.info("source %s: wrote %d samples (%d tokens) to %s", src.name, counts["train"]["samples"],
-             counts["train"]["tokens_written"], p.out)
+    log.info(
+        "source %s: wrote %d samples (%d tokens) to %s",
+        src.name,
+        counts["train"]["samples"],
+        counts["train"]["tokens_written"],
+        p.out,
+    )
     if p.remote is not None:
         remote_root.publish(p.out, p.remote)
         log.info("source %s: published to %s", src.name, p.remote)

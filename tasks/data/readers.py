@@ -108,8 +108,7 @@ def _parquet_units(ref: storage.FileRef, chunk_bytes: int) -> list[Unit]:
     if meta.num_row_groups <= 1 or ref.size <= chunk_bytes:
         return [Unit(ref.path, size=ref.size)]
     # Uncompressed text is what costs tokenizer time, so size row groups by that.
-    return [Unit(ref.path, row_groups=(i,), size=meta.row_group(i).total_byte_size)
-            for i in range(meta.num_row_groups)]
+    return [Unit(ref.path, row_groups=(i,), size=meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
 
 
 def group_units(units: list[Unit], target: int) -> list[list[Unit]]:
@@ -387,8 +386,14 @@ def _hf_docs(src: HFSource, tally: Tally) -> Iterator[tuple[str, object]]:
 
     label = f"{src.path}[{src.split}]"
     try:
-        ds = load_dataset(src.path, name=src.config, split=src.split, data_files=src.data_files,
-                          revision=src.revision, streaming=src.streaming)
+        ds = load_dataset(
+            src.path,
+            name=src.config,
+            split=src.split,
+            data_files=src.data_files,
+            revision=src.revision,
+            streaming=src.streaming,
+        )
     except Exception as exc:
         raise DataError(label, f"load_dataset failed ({type(exc).__name__}: {exc})") from exc
     wanted = _fields_of(src.template) if src.template else [src.text_field]

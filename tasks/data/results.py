@@ -26,8 +26,10 @@ class PreparedSource(BaseModel):
     truncated: int = Field(0, description="Documents cut by max_doc_chars/truncate_long or max_tokens.")
     dtype: str = Field(..., description="Token dtype in the shards (uint16 or uint32).")
     cached: bool = Field(False, description="True when the output already existed and no work was done.")
-    warnings: list[str] = Field(default_factory=list, description="Surprises worth a look, e.g. a file the "
-                                "separator never split; also in provenance.json.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Surprises worth a look, e.g. a file the separator never split; also in provenance.json.",
+    )
 
 
 class PreparedData(BaseModel):
@@ -44,11 +46,22 @@ def summarize(prepared: PreparedData) -> str:
     """A plain-text table for the CLI."""
     rows = [("source", "documents", "tokens", "val tokens", "skipped", "state", "path")]
     for s in prepared.sources.values():
-        rows.append((s.name, f"{s.documents:,}", f"{s.tokens:,}", f"{s.val_tokens:,}", f"{s.skipped:,}",
-                     "cached" if s.cached else "written", s.root))
+        rows.append(
+            (
+                s.name,
+                f"{s.documents:,}",
+                f"{s.tokens:,}",
+                f"{s.val_tokens:,}",
+                f"{s.skipped:,}",
+                "cached" if s.cached else "written",
+                s.root,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines += [f"warning: {w}" for s in prepared.sources.values() for w in s.warnings]
-    lines.append(f"tokenizer: {prepared.tokenizer.hf_dir} (vocab {prepared.tokenizer.vocab_size}, "
-                 f"eos {prepared.tokenizer.eos_token_id}, {prepared.tokenizer.dtype}), seq_len {prepared.seq_len}")
+    lines.append(
+        f"tokenizer: {prepared.tokenizer.hf_dir} (vocab {prepared.tokenizer.vocab_size}, "
+        f"eos {prepared.tokenizer.eos_token_id}, {prepared.tokenizer.dtype}), seq_len {prepared.seq_len}"
+    )
     return "\n".join(lines)

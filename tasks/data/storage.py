@@ -32,7 +32,7 @@ def is_s3(path: str) -> bool:
 
 
 def _split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     return bucket, key
 
 

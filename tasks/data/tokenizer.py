@@ -159,11 +159,15 @@ def _train(cfg: TokenizerConfig, sources: list[SourceConfig], chunk_bytes: int):
 def _training_key(cfg: TokenizerConfig, sources: list[SourceConfig], chunk_bytes: int) -> str:
     from tasks.data import hashing
 
-    inputs = [
-        {"source": s.model_dump(mode="json"), "files": hashing.fingerprints(s)} for s in sources
-    ]
-    return hashing.digest({"train": cfg.model_dump(mode="json"), "inputs": inputs, "chunk_bytes": chunk_bytes,
-                           "code": hashing.CODE_VERSION})
+    inputs = [{"source": s.model_dump(mode="json"), "files": hashing.fingerprints(s)} for s in sources]
+    return hashing.digest(
+        {
+            "train": cfg.model_dump(mode="json"),
+            "inputs": inputs,
+            "chunk_bytes": chunk_bytes,
+            "code": hashing.CODE_VERSION,
+        }
+    )
 
 
 def output_dir(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_bytes: int) -> str:
@@ -174,8 +178,14 @@ def output_dir(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chu
     if cfg.train is not None:
         key = _training_key(cfg, sources, chunk_bytes)
     else:
-        key = hashing.digest({"files": _file_digest(_pretrained_files(cfg.path)), "eos": cfg.eos_token,
-                              "bos": cfg.bos_token, "code": hashing.CODE_VERSION})
+        key = hashing.digest(
+            {
+                "files": _file_digest(_pretrained_files(cfg.path)),
+                "eos": cfg.eos_token,
+                "bos": cfg.bos_token,
+                "code": hashing.CODE_VERSION,
+            }
+        )
     return os.path.join(root, f"tokenizer-{key}")
 
 
@@ -210,8 +220,15 @@ def _info(hf_dir: str, cfg: TokenizerConfig, key: str, trained: bool) -> Tokeniz
         if bos is None:
             raise DataError(f"tokenizer.bos_token={cfg.bos_token!r}", "not in the tokenizer's vocabulary")
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    return TokenizerInfo(hf_dir=os.path.abspath(hf_dir), vocab_size=vocab, eos_token_id=eos, bos_token_id=bos,
-                         dtype=token_dtype(vocab), fingerprint=key, trained=trained)
+    return TokenizerInfo(
+        hf_dir=os.path.abspath(hf_dir),
+        vocab_size=vocab,
+        eos_token_id=eos,
+        bos_token_id=bos,
+        dtype=token_dtype(vocab),
+        fingerprint=key,
+        trained=trained,
+    )
 
 
 __all__ = ["TokenizerInfo", "resolve", "token_dtype"]

@@ -21,31 +21,41 @@ import re
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 _PATHS = [
-    (re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?$"), "JobSet",
-     "jobset.x-k8s.io/v1alpha2"),
+    (
+        re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?$"),
+        "JobSet",
+        "jobset.x-k8s.io/v1alpha2",
+    ),
     (re.compile(r"^/apis/batch/v1/namespaces/([^/]+)/jobs(?:/([^/]+))?$"), "Job", "batch/v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$"), "Pod", "v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/services(?:/([^/]+))?$"), "Service", "v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$"), "ConfigMap", "v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/events(?:/([^/]+))?$"), "Event", "v1"),
-]  # fmt: skip
+]
 _LOG_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 _CHILD_LABEL = {"JobSet": "jobset.sigs.k8s.io/jobset-name", "Job": "batch.kubernetes.io/job-name"}
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}  # fmt: skip
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def _matches(obj: dict, labels: str, fields: str) -> bool:
@@ -153,9 +163,14 @@ class FakeCluster:
         with self.cond:
             while True:
                 recent = set(self.creates[new_after:])
-                found = [o for (k, _, n), o in self.objects.items()
-                         if (k, n) in recent and k == kind and (name is None or n == name)
-                         and not o["metadata"].get("deletionTimestamp")]  # fmt: skip
+                found = [
+                    o
+                    for (k, _, n), o in self.objects.items()
+                    if (k, n) in recent
+                    and k == kind
+                    and (name is None or n == name)
+                    and not o["metadata"].get("deletionTimestamp")
+                ]
                 if found:
                     return found[0]
                 left = deadline - time.monotonic()
@@ -182,25 +197,58 @@ class FakeCluster:
         names = []
         for index in range(job_spec.get("completions", 1)):
             suffix = uuid.uuid4().hex[:5]
-            pod_name = f"{job_name}-{index}-{suffix}" if job_spec.get("completionMode") == "Indexed" else f"{job_name}-{suffix}"
-            labels = {**template["metadata"].get("labels", {}), "batch.kubernetes.io/job-name": job_name,
-                      "job-name": job_name, "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
+            pod_name = (
+                f"{job_name}-{index}-{suffix}"
+                if job_spec.get("completionMode") == "Indexed"
+                else f"{job_name}-{suffix}"
+            )
+            labels = {
+                **template["metadata"].get("labels", {}),
+                "batch.kubernetes.io/job-name": job_name,
+                "job-name": job_name,
+                "batch.kubernetes.io/job-completion-index": str(index),
+            }
             if kind == "JobSet":
                 labels["jobset.sigs.k8s.io/jobset-name"] = name
             container = template["spec"]["containers"][0]["name"]
-            running = {"running": {"startedAt": now()}} if phase == "Running" else {
-                "waiting": {"reason": "ContainerCreating"}}  # fmt: skip
+            running = (
+                {"running": {"startedAt": now()}}
+                if phase == "Running"
+                else {"waiting": {"reason": "ContainerCreating"}}
+            )
             pod = {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod_name, "namespace": ns, "labels": labels,
-                             "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
-                             "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job_name,
-                                                  "uid": str(uuid.uuid4()), "controller": True}]},
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": ns,
+                    "labels": labels,
+                    "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "batch/v1",
+                            "kind": "Job",
+                            "name": job_name,
+                            "uid": str(uuid.uuid4()),
+                            "controller": True,
+                        }
+                    ],
+                },
                 "spec": copy.deepcopy(template["spec"]),
-                "status": {"phase": phase, "conditions": [{"type": "PodScheduled", "status": "True"}],
-                           "containerStatuses": [{"name": container, "ready": phase == "Running",
-                                                  "restartCount": 0, "image": container, "state": running}]},
-            }  # fmt: skip
+                "status": {
+                    "phase": phase,
+                    "conditions": [{"type": "PodScheduled", "status": "True"}],
+                    "containerStatuses": [
+                        {
+                            "name": container,
+                            "ready": phase == "Running",
+                            "restartCount": 0,
+                            "image": container,
+                            "state": running,
+                        }
+                    ],
+                },
+            }
             self.logs[pod_name] = bytearray()
             self.put("Pod", pod, ns)
             names.append(pod_name)
@@ -219,8 +267,12 @@ class FakeCluster:
     def terminate(self, pod_name: str, exit_code: int, reason: str | None = None) -> None:
         """The container ends; the pod's phase follows (restartPolicy Never)."""
         pod = copy.deepcopy(self.pod(pod_name))
-        state = {"exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error"),
-                 "startedAt": now(), "finishedAt": now()}  # fmt: skip
+        state = {
+            "exitCode": exit_code,
+            "reason": reason or ("Completed" if exit_code == 0 else "Error"),
+            "startedAt": now(),
+            "finishedAt": now(),
+        }
         pod["status"]["containerStatuses"][0]["state"] = {"terminated": state}
         pod["status"]["containerStatuses"][0]["ready"] = False
         pod["status"]["phase"] = "Succeeded" if exit_code == 0 else "Failed"
@@ -232,9 +284,15 @@ class FakeCluster:
     def evict(self, pod_name: str) -> None:
         """What the eviction API and the kubelet do: DisruptionTarget, then SIGTERM (the trainer exits 76)."""
         pod = copy.deepcopy(self.pod(pod_name))
-        pod["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True",
-                                            "reason": "EvictionByEvictionAPI",
-                                            "message": "Eviction API: evicting", "lastTransitionTime": now()})  # fmt: skip
+        pod["status"]["conditions"].append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "EvictionByEvictionAPI",
+                "message": "Eviction API: evicting",
+                "lastTransitionTime": now(),
+            }
+        )
         self.put("Pod", pod)
         self.terminate(pod_name, 76)
 
@@ -250,14 +308,28 @@ class FakeCluster:
 
     def event(self, pod_name: str, reason: str, message: str, kind: str = "Warning") -> None:
         pod = self.pod(pod_name)
-        self.put("Event", {"apiVersion": "v1", "kind": "Event",
-                           "metadata": {"name": f"{pod_name}.{uuid.uuid4().hex[:12]}",
-                                        "namespace": pod["metadata"]["namespace"]},
-                           "involvedObject": {"kind": "Pod", "name": pod_name, "namespace": pod["metadata"]["namespace"],
-                                              "uid": pod["metadata"]["uid"]},
-                           "reason": reason, "message": message, "type": kind, "count": 1,
-                           "firstTimestamp": now(), "lastTimestamp": now(), "source": {"component": "default-scheduler"}},
-                 pod["metadata"]["namespace"])  # fmt: skip
+        self.put(
+            "Event",
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{pod_name}.{uuid.uuid4().hex[:12]}", "namespace": pod["metadata"]["namespace"]},
+                "involvedObject": {
+                    "kind": "Pod",
+                    "name": pod_name,
+                    "namespace": pod["metadata"]["namespace"],
+                    "uid": pod["metadata"]["uid"],
+                },
+                "reason": reason,
+                "message": message,
+                "type": kind,
+                "count": 1,
+                "firstTimestamp": now(),
+                "lastTimestamp": now(),
+                "source": {"component": "default-scheduler"},
+            },
+            pod["metadata"]["namespace"],
+        )
 
     def set_status(self, kind: str, name: str, **status) -> None:
         obj = copy.deepcopy(self.get(kind, name))
@@ -267,8 +339,9 @@ class FakeCluster:
     def set_condition(self, kind: str, name: str, ctype: str, reason: str = "", message: str = "", **status) -> None:
         obj = copy.deepcopy(self.get(kind, name))
         st = obj.setdefault("status", {})
-        st.setdefault("conditions", []).append({"type": ctype, "status": "True", "reason": reason,
-                                                "message": message, "lastTransitionTime": now()})  # fmt: skip
+        st.setdefault("conditions", []).append(
+            {"type": ctype, "status": "True", "reason": reason, "message": message, "lastTransitionTime": now()}
+        )
         st.update(status)
         self.put(kind, obj)
 
@@ -304,7 +377,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._log(m[1], m[2], {k: v[-1] for k, v in parse_qs(url.query).items()})
         kind, api_version, ns, name, query = self._route()
         if kind is None:
-            return self._send(404, _status(404, "NotFound", f"the server could not find the requested resource ({url.path})"))
+            return self._send(
+                404, _status(404, "NotFound", f"the server could not find the requested resource ({url.path})")
+            )
         c = self.cluster
         if name:
             obj = c.get(kind, name, ns)
@@ -317,8 +392,10 @@ class _Handler(BaseHTTPRequestHandler):
         items = [o for o in c.items(kind, labels, fields) if o["metadata"]["namespace"] == ns]
         if kind in ("Job", "Pod", "Service", "ConfigMap", "Event"):  # the API omits kind on list items of built-ins
             items = [{k: v for k, v in o.items() if k not in ("kind", "apiVersion")} for o in items]
-        self._send(200, {"apiVersion": api_version, "kind": f"{kind}List", "metadata": {"resourceVersion": "1"},
-                         "items": items})  # fmt: skip
+        self._send(
+            200,
+            {"apiVersion": api_version, "kind": f"{kind}List", "metadata": {"resourceVersion": "1"}, "items": items},
+        )
 
     def _watch(self, kind: str, ns: str, labels: str, fields: str, timeout: float) -> None:
         c = self.cluster
@@ -358,7 +435,7 @@ class _Handler(BaseHTTPRequestHandler):
         if query.get("follow") not in ("true", "True", "1"):
             data = bytes(c.logs.get(name, b""))
             if "tailLines" in query:
-                data = b"".join(data.splitlines(keepends=True)[-int(query["tailLines"]):])
+                data = b"".join(data.splitlines(keepends=True)[-int(query["tailLines"]) :])
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -436,10 +513,18 @@ class FakeApiServer:
         self.httpd.server_close()
 
     def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
-            "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
-        }))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}
+                    ],
+                    "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
+                }
+            )
+        )
         return path

@@ -1,7 +1,7 @@
 """Stands in for the trainer in a pod's command line: joins the process group Composer's launcher set up.
 
-    allreduce      every rank joins over gloo (MASTER_ADDR/PORT from the launcher) and sums the ranks
-    peer N         rank 1 exits N; rank 0 answers the launcher's SIGTERM with 76, as the trainer does
+allreduce      every rank joins over gloo (MASTER_ADDR/PORT from the launcher) and sums the ranks
+peer N         rank 1 exits N; rank 0 answers the launcher's SIGTERM with 76, as the trainer does
 """
 
 import os
@@ -20,8 +20,10 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
         total = torch.tensor([float(rank)])
         dist.all_reduce(total)
-        print(f"allreduce sum={int(total.item())} {where} supervisor={os.environ.get('TESSERA_SUPERVISOR_PID')}",
-              flush=True)
+        print(
+            f"allreduce sum={int(total.item())} {where} supervisor={os.environ.get('TESSERA_SUPERVISOR_PID')}",
+            flush=True,
+        )
         dist.destroy_process_group()
         sys.exit(0)
     if mode == "peer":

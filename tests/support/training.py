@@ -18,7 +18,7 @@ import numpy as np
 
 from trainers.config import MlflowTarget, ModelConfig, StageConfig, TrainConfig, TrainJob
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEOX_TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
 
 
@@ -49,7 +49,9 @@ def write_hf_tokenizer(out: str | Path, vocab_size: int | None = None) -> Path:
         bpe.decoder = decoders.ByteLevel()
         text = (ROOT / "data" / "corpora" / "tinyshakespeare" / "input.txt").read_text()[:50_000]
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         bpe.train_from_iterator(text.split("\n\n"), trainer)
         tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
@@ -114,13 +116,28 @@ def run_stage(
         logs = Path(job_path).parent / "logs"
         logs.mkdir(exist_ok=True)
         cmd = [
-            sys.executable, "-m", "composer.cli.launcher", "-n", str(procs),
-            "--stdout", str(logs / "rank{rank}.out"), "--stderr", str(logs / "rank{rank}.err"),
-            "-m", "trainers.train", *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "composer.cli.launcher",
+            "-n",
+            str(procs),
+            "--stdout",
+            str(logs / "rank{rank}.out"),
+            "--stderr",
+            str(logs / "rank{rank}.err"),
+            "-m",
+            "trainers.train",
+            *args,
+        ]
     # One intra-op thread: tiny matmuls gain nothing from two, and on a shared CI box spinning
     # OpenMP workers make every step several times slower.
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -161,10 +178,19 @@ class MlflowServer:
     def start(self, timeout: float = 120) -> None:
         mlflow = Path(sys.executable).with_name("mlflow")
         cmd = [
-            str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-            "--default-artifact-root", str(self.root / "artifacts"),
-            "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers),
-        ]  # fmt: skip
+            str(mlflow),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(self.root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
+        ]
         with open(self.root / "server.log", "ab") as log:
             # Its own process group: stopping it must take its uvicorn workers along.
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

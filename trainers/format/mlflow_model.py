@@ -24,12 +24,16 @@ def save_mlflow_model(hf_dir: Path, out: Path, card: str = "") -> Path:
     signature = infer_signature("Once upon a time", "there was", params={"max_new_tokens": GENERATE_TOKENS})
     requirements = [f"{pkg}=={version(pkg)}" for pkg in ("torch", "transformers", "tokenizers", "safetensors")]
     mlflow.transformers.save_model(
-        str(hf_dir), path=str(out), task="text-generation", signature=signature,
+        str(hf_dir),
+        path=str(out),
+        task="text-generation",
+        signature=signature,
         # Pinned here rather than inferred: inference imports the model in a subprocess (slow, and it
         # would record whatever happens to be installed beside us).
-        pip_requirements=requirements, model_config={"max_new_tokens": GENERATE_TOKENS},
+        pip_requirements=requirements,
+        model_config={"max_new_tokens": GENERATE_TOKENS},
         model_card=ModelCard(f"---\nlicense: other\ntags: [tessera]\n---\n{card or 'A tessera checkpoint.'}\n"),
-    )  # fmt: skip
+    )
     return out
 
 
