@@ -23,8 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainers.contract import FATAL
+
 SUMMARY_PREFIX = "tessera.eval"
-EXIT_BAD_INPUT = 78
+# Bad input in the pod (a damaged checkpoint, a missing task file) exits with the trainer's FATAL code, so the
+# Job's FailJob rule and the flow read both pods alike. (The `tessera` CLI's bad-input exit code is 2.)
+EXIT_FATAL = FATAL
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = log_report(args.tracking_uri, args.run_id, report, step=args.step, title=title, timestamp_ms=stamp)
     except GauntletError as exc:
         print(f"tessera.eval: bad input: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        return EXIT_FATAL
     summary = {
         "tokens": args.step,
         "checkpoint": args.checkpoint,

@@ -7,42 +7,20 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-from pathlib import Path
 
-from flows.runtime import bad_input_types, install_log_filter, quiet_environment
-
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-
-def _work_prefect_home(work_dir: str) -> None:
-    """Keep Prefect's database in the work dir, so `prefect server start` there shows these runs."""
-    if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
-        home = Path(work_dir).resolve() / "prefect"
-        try:
-            home.mkdir(parents=True, exist_ok=True)  # the server's sqlite cannot create its own folder
-        except OSError as exc:  # a file in the way, a read-only disk: no retry or traceback helps
-            from flows.recipe import RecipeError
-
-            raise RecipeError(
-                f"work_dir {work_dir}: cannot hold Prefect's database in {home} ({exc.strerror or exc})"
-            ) from None
-        os.environ["PREFECT_HOME"] = str(home)
-        # profiles live under PREFECT_HOME by default: keep the user's (an API URL set with
-        # `prefect config set`, a Cloud login) instead of silently dropping them
-        profiles = Path("~/.prefect/profiles.toml").expanduser()
-        if profiles.is_file():
-            os.environ.setdefault("PREFECT_PROFILES_PATH", str(profiles))
-
-
-def _usable_data_root(recipe) -> None:
-    """A data root that is a file or read-only fails here in one line, not after Prefect has started."""
-    from tasks.data.outputs import ensure_root
-
-    ensure_root(recipe.data.local_root)
+from flows.cli_k8s import cmd_k8s_render, cmd_k8s_status
+from flows.cli_models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
+from flows.runtime import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    bad_input_types,
+    install_log_filter,
+    quiet_environment,
+    usable_data_root,
+    work_prefect_home,
+)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -51,8 +29,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
     if args.run_name is not None and not re.fullmatch(NAME_PATTERN, args.run_name):
         raise RecipeError(f"--run-name: {args.run_name!r} must match {NAME_PATTERN}")
-    _work_prefect_home(recipe.work_dir)
-    _usable_data_root(recipe)
+    work_prefect_home(recipe.work_dir)
+    usable_data_root(recipe)
     from flows.pipeline import PipelineParams, pretrain_pipeline
 
     install_log_filter()
@@ -71,8 +49,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    _work_prefect_home(recipe.work_dir)
-    _usable_data_root(recipe)
+    work_prefect_home(recipe.work_dir)
+    usable_data_root(recipe)
     from flows.prepare import PrepareParams, prepare_data, warm_up
     from tasks.data import interrupt
 
@@ -80,129 +58,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     warm_up(recipe.data)  # overlaps Prefect's server start-up
     with interrupt.stop_on_signals():  # Ctrl-C/SIGTERM: stop within seconds, exit 130/143
         print(prepare_data(PrepareParams(recipe=args.recipe)).summary())
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    _work_prefect_home(args.work_dir)
-    from flows.evaluate import eval_command
-
-    install_log_filter()
-    outcome = eval_command(
-        args.model,
-        args.tasks,
-        args.gauntlet,
-        args.data_root,
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        seed=args.seed,
-        strict=args.strict,
-        tracking_uri=args.tracking_uri,
-        compare_to=args.compare_to,
-        output_dir=args.output_dir,
-    )
-    print(
-        f"average: {outcome.average:.4f}"
-        + (f" (baseline {outcome.baseline_average:.4f})" if outcome.baseline_average is not None else "")
-    )
-    for path in outcome.files:
-        print(f"wrote {path}")
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    """Score two models on one gauntlet and keep the delta tables and plot."""
-    from flows.recipe import load_recipe
-
-    recipe = load_recipe(args.recipe)
-    _work_prefect_home(recipe.work_dir)
-    from flows.evaluate import eval_command
-    from tasks.artifacts import artifact_key
-    from tasks.mlflow_run import resolved_uri
-
-    install_log_filter()
-    out = args.output_dir or str(Path(recipe.work_dir) / "compare" / artifact_key(args.a, "vs", args.b))
-    ev = recipe.eval
-    outcome = eval_command(
-        args.b,
-        ev.tasks,
-        ev.gauntlet,
-        ev.data_root,
-        batch_size=ev.batch_size,
-        max_seq_len=ev.max_seq_len or recipe.data.seq_len,
-        seed=ev.seed,
-        strict=True,
-        tracking_uri=resolved_uri(recipe.tracking.tracking_uri),
-        compare_to=args.a,
-        output_dir=out,
-    )
-    print(
-        f"{args.a}: {outcome.baseline_average:.4f}  {args.b}: {outcome.average:.4f}  "
-        f"({outcome.average - outcome.baseline_average:+.4f})"
-    )
-    for path in outcome.files:
-        print(f"wrote {path}")
-    return 0
-
-
-def cmd_promote(args: argparse.Namespace) -> int:
-    """Move `champion` by hand, recorded on the versions like a rule's decision."""
-    from flows.recipe import RecipeError, load_recipe
-    from tasks.mlflow_run import client_for
-    from tasks.promote import promote_by_hand
-
-    recipe = load_recipe(args.recipe)
-    ref = args.model.removeprefix("models:/")
-    name, _, version = ref.rpartition("/")
-    if not args.model.startswith("models:/") or not name or not version.isdigit():
-        raise RecipeError(f"{args.model}: expected models:/NAME/N (a version number, not an alias)")
-    client = client_for(recipe.tracking)
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_model_version(name, version)
-    except MlflowException:
-        raise RecipeError(f"{args.model}: no such model version in {recipe.tracking.tracking_uri}") from None
-    from tasks.aliases import reconcile_registry
-
-    for line in reconcile_registry(recipe.tracking, "tessera promote"):
-        print(line)
-    old = promote_by_hand(client, name, version, args.note)
-    print(f"{name}: champion v{version}" + (f" (was v{old}; now previous-champion)" if old and old != version else ""))
-    return 0
-
-
-def cmd_continue(args: argparse.Namespace) -> int:
-    from flows.recipe import load_recipe
-
-    recipe = load_recipe(args.recipe)
-    _work_prefect_home(recipe.work_dir)
-    from flows.continued import ContinueParams, continued_pretraining
-
-    install_log_filter()
-    result = continued_pretraining(
-        ContinueParams(
-            recipe=args.recipe,
-            base=args.base,
-            new_data=args.new_data,
-            tokens=args.tokens,
-            run_name=args.run_name,
-            replay_fraction=args.replay_fraction,
-            if_running=args.if_running,
-        )
-    )
-    if not result.trained:
-        print(f"{result.base}: no new data; nothing trained")
-        return 0
-    verdict = (
-        "no champion to compare with"
-        if result.decision is None
-        else (f"{'accepted' if result.decision.accepted else 'rejected'}: {result.decision.summary()}")
-    )
-    print(
-        f"run {result.run_name}: continued {result.base} on {result.new_files} new file(s); challenger "
-        f"v{result.challenger}: {verdict}; champion v{result.champion}"
-    )
     return 0
 
 
@@ -235,47 +90,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     except UpError as exc:
         print(f"tessera: error: {exc}", file=sys.stderr)
         return exc.code
-
-
-def _kubernetes_recipe(path: str):
-    from flows.recipe import RecipeError, load_recipe
-
-    recipe = load_recipe(path)
-    if recipe.compute.backend != "kubernetes":
-        raise RecipeError(f"{path}: compute.backend: is {recipe.compute.backend!r}; `tessera k8s` needs kubernetes")
-    return recipe
-
-
-def cmd_k8s_render(args: argparse.Namespace) -> int:
-    """Print the manifests of one stage's launch, exactly as the launcher would create them."""
-    from flows.recipe import RecipeError
-    from infra.k8s_views import render_stage
-
-    recipe = _kubernetes_recipe(args.recipe)
-    run = args.run_name or recipe.name
-    job = Path(args.job) if args.job else Path(recipe.work_dir) / "runs" / run / "job.json"
-    if not job.is_file():
-        raise RecipeError(f"{job}: no job file; `tessera run` writes it after preparing the data (or pass --job)")
-    if not 0 <= args.stage < len(recipe.train.stages):
-        raise RecipeError(f"--stage: {args.stage} is not a stage of {args.recipe} (0..{len(recipe.train.stages) - 1})")
-    print(render_stage(recipe.compute, job, args.stage, args.attempt), end="")
-    return 0
-
-
-def cmd_k8s_status(args: argparse.Namespace) -> int:
-    """The live objects of a run: JobSets or Jobs, their pods, Services and ConfigMaps."""
-    from infra.k8s_views import run_status
-    from infra.kube_api import Kube, KubeError
-
-    namespace = args.namespace or (
-        _kubernetes_recipe(args.recipe).compute.kubernetes.namespace if args.recipe else "default"
-    )
-    try:
-        print(run_status(Kube(namespace), args.run))
-    except KubeError as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

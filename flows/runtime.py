@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+
+# The `tessera` commands' exit codes: 2 is bad input the message names (a recipe, a form value, a refused
+# run), 1 a failure a rerun may get past. (A trainer's or evaluation pod's own codes are trainers/contract.py's.)
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
 
 
 def quiet_environment() -> None:
@@ -76,3 +82,30 @@ def prepare_process() -> None:
     """Both of the above, idempotent: safe to call from the CLI and again inside the flow."""
     quiet_environment()
     install_log_filter()
+
+
+def work_prefect_home(work_dir: str) -> None:
+    """Keep Prefect's database in the work dir, so `prefect server start` there shows these runs."""
+    if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
+        home = Path(work_dir).resolve() / "prefect"
+        try:
+            home.mkdir(parents=True, exist_ok=True)  # the server's sqlite cannot create its own folder
+        except OSError as exc:  # a file in the way, a read-only disk: no retry or traceback helps
+            from flows.recipe import RecipeError
+
+            raise RecipeError(
+                f"work_dir {work_dir}: cannot hold Prefect's database in {home} ({exc.strerror or exc})"
+            ) from None
+        os.environ["PREFECT_HOME"] = str(home)
+        # profiles live under PREFECT_HOME by default: keep the user's (an API URL set with
+        # `prefect config set`, a Cloud login) instead of silently dropping them
+        profiles = Path("~/.prefect/profiles.toml").expanduser()
+        if profiles.is_file():
+            os.environ.setdefault("PREFECT_PROFILES_PATH", str(profiles))
+
+
+def usable_data_root(recipe) -> None:
+    """A data root that is a file or read-only fails here in one line, not after Prefect has started."""
+    from tasks.data.outputs import ensure_root
+
+    ensure_root(recipe.data.local_root)

@@ -23,12 +23,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deploy import QUIET_ENV, Deployed, DeployError, Project, deploy, ensure_pool, load_project
 from flows.recipe import Recipe, load_recipe
-from flows.runtime import PREFECT_SERVER_OUTAGE
-from flows.up_stack import EXIT_FAILED, Service, UpError, _become_subreaper, _Stack
+from flows.runtime import EXIT_BAD_INPUT, EXIT_FAILED, PREFECT_SERVER_OUTAGE
+from flows.up_stack import Service, UpError, _become_subreaper, _Stack
 from tasks.mlflow_run import resolved_uri
 from tasks.run_slot import ensure_names_lock
-
-EXIT_BAD_INPUT = 2
 
 LOCAL_POOL = "tessera-local"
 STATE_FILE = "state.json"

@@ -25,9 +25,9 @@ import httpx
 import psutil
 
 from flows.deploy import PROJECT_ROOT
+from flows.runtime import EXIT_FAILED
 from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
 
-EXIT_FAILED = 1
 STARTUP_TIMEOUT_S = 240.0  # a first start migrates a fresh database; 2 cores shared with training are slow
 FLOW_RUN_GRACE_S = 15.0  # a flow run cancels its trainer (10 s grace) and reports its state
 SERVICE_GRACE_S = 10.0

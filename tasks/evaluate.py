@@ -165,7 +165,7 @@ def _evaluate_in_pod(
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
 
-    from evaluation.__main__ import EXIT_BAD_INPUT, parse_summary
+    from evaluation.__main__ import EXIT_FATAL, parse_summary
     from infra import backend_for
 
     logger = get_run_logger()
@@ -185,7 +185,7 @@ def _evaluate_in_pod(
     lines = job.tail().splitlines()
     if code != 0:
         logger.error("evaluation pod of %s failed:\n%s", checkpoint.path, "\n".join(lines[-200:]))
-        error = GauntletError if code == EXIT_BAD_INPUT else RuntimeError
+        error = GauntletError if code == EXIT_FATAL else RuntimeError
         raise error(f"evaluation of {checkpoint.path} exited {code}: {lines[-1] if lines else ''}")
     summary = next((s for s in map(parse_summary, reversed(lines)) if s is not None), None)
     if summary is None:
