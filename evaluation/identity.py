@@ -16,7 +16,7 @@ from evaluation.sources import read_bytes, resolve
 from evaluation.spec import load_tasks
 
 # The modules whose code turns a model into numbers; a change to any of them is a new gauntlet.
-_SCORING_CODE = ("aggregate.py", "prompts.py", "scoring.py", "runner.py", "spec.py")
+_SCORING_CODE = ("aggregate.py", "prompts.py", "batching.py", "scoring.py", "generation.py", "runner.py", "spec.py")
 
 
 def gauntlet_hash(cfg: EvalConfig) -> str:

@@ -9,12 +9,14 @@ from dataclasses import replace
 from typing import Any
 
 from evaluation.aggregate import aggregate, benchmark_score
+from evaluation.batching import Throughput, pad_id_of
 from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
+from evaluation.generation import generate_items, generation_correct
 from evaluation.progress import EvalProgress
 from evaluation.prompts import PreparedSplit, Record, prepare_split, validate_records
 from evaluation.report import GauntletReport, TaskResult
-from evaluation.scoring import Throughput, generate_items, generation_correct, pad_id_of, score_choice_items
+from evaluation.scoring import score_choice_items
 from evaluation.sources import exists, read_jsonl, resolve
 from evaluation.spec import GauntletSpec, TaskSpec, load_gauntlet, load_tasks
 

@@ -1,85 +1,27 @@
-"""Running a causal LM over prepared examples: batched by length, one forward pass per batch.
+"""Scoring continuations by their cross-entropy: language_modeling, multiple_choice and schema.
 
 Metric definitions follow llm-foundry's llmfoundry/eval/metrics/nlp.py:
 - language_modeling (InContextLearningLMAccuracy): correct when the argmax at every
   continuation position equals the continuation token;
 - multiple_choice and schema (InContextLearningMultipleChoiceAccuracy): each choice's
   perplexity is exp(mean cross-entropy over its continuation tokens); the choice with the
-  lowest perplexity is picked, the first one on ties;
-- generation_task_with_answers (InContextLearningGenerationExactMatchAccuracy): greedy output,
-  cut at the first stop string, then after the last `cot_delimiter`, optionally normalized;
-  correct when it starts with any answer alias.
+  lowest perplexity is picked, the first one on ties.
+
+Only the logits that predict a continuation token are computed, one forward pass per batch
+(evaluation/batching.py says which rows and positions); generation_task_with_answers is
+evaluation/generation.py.
 """
 
 from __future__ import annotations
 
-import re
-import string
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from evaluation.prompts import ChoiceItem, GenerationItem
-
-
-@dataclass
-class Throughput:
-    """What a scoring call pushed through the model, for examples/s and tokens/s."""
-
-    examples: int = 0
-    tokens: int = 0  # real (unpadded) tokens fed to the model
-    seconds: float = 0.0
-
-    def add(self, other: Throughput) -> None:
-        self.examples += other.examples
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-
-
-def pad_id_of(tokenizer: Any) -> int:
-    # The reference pads with EOS when a tokenizer has no pad token (GPT-2).
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
-def length_batches(items: Sequence[ChoiceItem], batch_size: int) -> Iterator[list[int]]:
-    """Indices of items packed into batches of at most batch_size rows, longest first.
-
-    All choices of one example stay in one batch, so one forward pass scores them all; an
-    example with more choices than batch_size gets a batch of its own (as in the reference).
-    """
-    order = sorted(range(len(items)), key=lambda i: -max(len(r) for r in items[i].rows))
-    batch: list[int] = []
-    rows = 0
-    for i in order:
-        n = len(items[i].rows)
-        if batch and rows + n > batch_size:
-            yield batch
-            batch, rows = [], 0
-        batch.append(i)
-        rows += n
-    if batch:
-        yield batch
-
-
-def collate_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids [B, T] and attention mask [B, T] (padding at the end keeps causal positions)."""
-    width = max(len(r) for r in rows)
-    # One tensor built from padded lists: a slice assignment per row costs more than the rows.
-    ids = torch.tensor([[*r, *[pad_id] * (width - len(r))] for r in rows], dtype=torch.long).reshape(len(rows), width)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(
-        len(rows), width
-    )
-    return ids, mask
+from evaluation.batching import Throughput, collate_rows, device_of, distinct_positions, length_batches, token_index
+from evaluation.prompts import ChoiceItem
 
 
 def _gathering_head(model: Any, row: torch.Tensor, pos: torch.Tensor, shape: tuple[int, int]):
@@ -118,35 +60,6 @@ def _forward_at(model: Any, row: torch.Tensor, pos: torch.Tensor, **inputs: Any)
         return out, logits[row, pos]
     # the head ran more than once or reshaped its output
     raise ValueError(f"logits of shape {tuple(logits.shape)} for inputs of shape {shape}")
-
-
-def token_index(lengths: torch.Tensor, cont_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, predicting position) of every continuation token, flattened: [N], [N]."""
-    n = int(cont_lens.sum())
-    row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), cont_lens)
-    first = torch.repeat_interleave(torch.cumsum(cont_lens, 0) - cont_lens, cont_lens)
-    pos = torch.repeat_interleave(lengths - cont_lens - 1, cont_lens) + (torch.arange(n, device=lengths.device) - first)
-    return row, pos
-
-
-def distinct_positions(
-    ids: torch.Tensor, mask: torch.Tensor, row: torch.Tensor, pos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Predicting positions with distinct hidden states: row [U], position [U], and token -> index [N].
-
-    A causal model's hidden state at position q depends only on tokens 0..q, so the choices of one
-    example predict their first continuation token (and any leading tokens they share) from the
-    same state. Each such state is projected to the vocabulary once: on ARC and COPA that saves a
-    fifth of the projections, which outweigh the transformer body on a small model.
-    """
-    B, T = ids.shape
-    # [B, B, T] booleans: half a megabyte at 16 rows of 2048 tokens
-    differ = (ids[:, None] != ids[None]) | (mask[:, None] != mask[None])  # [B, B, T]
-    common = torch.where(differ.any(-1), differ.to(torch.uint8).argmax(-1), T)  # [B, B] common prefix length
-    # representative: the first row that shares the token's row up to and including its position
-    rep = (common[:, row] > pos).to(torch.uint8).argmax(0)  # [N]
-    keys, inverse = torch.unique(rep * T + pos, return_inverse=True)
-    return keys // T, keys % T, inverse
 
 
 # Rows of logits reduced at a time: a block stays in cache across log_softmax, amax and the gathers.
@@ -319,7 +232,7 @@ def score_choice_items(
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[bool], Throughput]:
     """Correctness per item: LM accuracy for language_modeling, lowest perplexity otherwise."""
-    device = _device(model)
+    device = device_of(model)
     greedy = kind == "language_modeling"
     correct = [False] * len(items)
     stats = Throughput(examples=len(items))
@@ -347,103 +260,3 @@ def score_choice_items(
             on_batch(len(batch))
     stats.seconds = time.perf_counter() - t0
     return correct, stats
-
-
-# --- generation ---------------------------------------------------------------------------
-
-
-def normalize_answer(answer: str) -> str:
-    """TriviaQA normalization, as in the reference: lower, punctuation to spaces, drop articles."""
-    text = answer.replace("_", " ").lower()
-    exclude = set(string.punctuation + "".join(["‘", "’", "´", "`"]))
-    text = "".join(" " if ch in exclude else ch for ch in text)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split()).strip()
-
-
-def _split_on_stops(text: str, stops: Sequence[str]) -> str:
-    # The reference joins stop strings into a regex unescaped; published numbers used that.
-    try:
-        return re.split("|".join(stops), text)[0]
-    except re.error:
-        return re.split("|".join(map(re.escape, stops)), text)[0]
-
-
-def generation_correct(
-    output: str, answers: Sequence[str], stops: Sequence[str], cot_delimiter: str, do_normalization: bool
-) -> bool:
-    final = _split_on_stops(output, stops) if stops else output
-    if cot_delimiter:
-        final = final.split(cot_delimiter)[-1]
-    if do_normalization:
-        final = normalize_answer(final)
-        labels = {normalize_answer(a) for a in answers}
-    else:
-        final = final.strip()
-        labels = {a.strip() for a in answers}
-    return any(final.startswith(label) for label in labels)
-
-
-class _StopOnStrings:
-    """Marks a row done once a stop string appears in its last few decoded tokens (reference rule)."""
-
-    def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_len: int):
-        self.tok = tokenizer
-        self.stops = list(stops)
-        self.prompt_len = prompt_len
-        # One token more than the stop string needs: '\n\n' may come out as two '\n' tokens.
-        self.lookback = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops) + 1
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
-        window = input_ids[:, max(self.prompt_len, input_ids.shape[1] - self.lookback) :]
-        texts = self.tok.batch_decode(window)
-        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
-
-
-@torch.inference_mode()
-def generate_items(
-    model: Any,
-    tokenizer: Any,
-    items: Sequence[GenerationItem],
-    batch_size: int,
-    pad_id: int,
-    max_new_tokens: int,
-    stops: Sequence[str],
-    on_batch: Callable[[int], None] | None = None,
-) -> tuple[list[str], Throughput]:
-    """Greedy continuations, left-padded in length-sorted batches."""
-    from transformers import StoppingCriteriaList
-
-    device = _device(model)
-    outputs = [""] * len(items)
-    stats = Throughput(examples=len(items))
-    t0 = time.perf_counter()
-    order = sorted(range(len(items)), key=lambda i: -len(items[i].context))
-    for s in range(0, len(order), batch_size):
-        batch = order[s : s + batch_size]
-        width = max(len(items[i].context) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for k, i in enumerate(batch):
-            ctx = items[i].context
-            ids[k, width - len(ctx) :] = torch.as_tensor(ctx)
-            mask[k, width - len(ctx) :] = 1
-        criteria = StoppingCriteriaList([_StopOnStrings(tokenizer, stops, width)]) if stops else None
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=pad_id,
-            eos_token_id=tokenizer.eos_token_id,
-            stopping_criteria=criteria,
-        )
-        new = out[:, width:]
-        for k, text in enumerate(tokenizer.batch_decode(new, skip_special_tokens=True)):
-            outputs[batch[k]] = text
-        stats.tokens += int(mask.sum()) + int((new != pad_id).sum())
-        if on_batch is not None:
-            on_batch(len(batch))
-    stats.seconds = time.perf_counter() - t0
-    return outputs, stats

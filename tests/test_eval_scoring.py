@@ -13,9 +13,11 @@ import math
 import pytest
 import torch
 
+from evaluation.batching import collate_rows
+from evaluation.generation import generation_correct, normalize_answer
 from evaluation.prompts import prepare_split, validate_records
 from evaluation.runner import score_split
-from evaluation.scoring import collate_rows, generation_correct, normalize_answer, score_rows
+from evaluation.scoring import score_rows
 from evaluation.spec import TaskSpec
 from tests.support.gauntlet import bigram_model, bigram_nll, word_tokenizer
 
