@@ -22,7 +22,7 @@ from composer.models import HuggingFaceModel
 from trainers import folder_lock
 from trainers import model as model_lib
 from trainers.callbacks import LossGuard, MlflowMetrics, Progress
-from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, TrainJob
+from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, Stage, TrainJob
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
@@ -254,8 +254,35 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     if not 0 <= stage_index < len(job.train.stages):
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
     stage = job.stage(stage_index)
+    plan, skip = _start(job, stage_index)
+    if plan.tokens >= stage.end:
+        log.info("stage %s is already complete", stage.name)
+        return None
+    hf_model, model = _model(job, plan)
+    callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
+    optimizer = optimizer_for(hf_model, job.train.optim)
+    args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
+    trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
+    if plan.kind == "enter":
+        # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
+        # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
+        trainer.state.timestamp = trainer.state.timestamp.to_next_epoch()
+    rng.take_from(trainer)  # a resume inside the stage: Composer would not restore the RNG state
+    if skip:
+        log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
+        apply_skip(trainer, skip)
+    if job.train.init_optimizer_from and plan.kind == "fresh":  # later launches restore their own
+        outcome = seed_optimizer(trainer.state.model, trainer.state.optimizers[0], job.train.init_optimizer_from)
+        log.info("optimizer state: %s", outcome)
+        metrics.start_tags["tessera.optimizer_state"] = outcome
+    trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
+    return trainer
+
+
+def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
+    """Join the launch's process group, decide where the stage starts (rank 0 repairs and plans; the plan
+    reaches every rank), clear a killed launch's shared memory, and say where it starts."""
     _, world_size = world()
-    on_gpu = torch.cuda.is_available()
     if world_size > 1:
         # One process group for the whole launch, made before anything else needs one: Streaming's
         # cleanup would otherwise create and destroy its own, and re-creating a group on the same
@@ -272,13 +299,15 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         from composer.utils import dist
 
         dist.barrier()
+    stage = job.stage(stage_index)
     log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
     if world()[0] == 0:
         _say_start(job, stage_index, plan)
-    if plan.tokens >= stage.end:
-        log.info("stage %s is already complete", stage.name)
-        return None
+    return plan, skip
 
+
+def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFaceModel]:
+    """The HF model (initialised only when nothing will overwrite it) and Composer's wrapper with the tokenizer."""
     if plan.kind == "fresh" and not job.model.init_from:
         hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
     else:  # every weight is about to be overwritten (a checkpoint, or init_from's): allocate, skip the init
@@ -294,8 +323,12 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
             local = str(fetch_folder(local, cache_dir_for(local)))
         tokenizer = AutoTokenizer.from_pretrained(local)
-    model = _wrap(hf_model, tokenizer)
+    return hf_model, _wrap(hf_model, tokenizer)
 
+
+def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> tuple[list, MlflowMetrics, RestoreRng]:
+    """The callbacks in the order they must run, and the two build_trainer talks to after the Trainer exists."""
+    stage = job.stage(stage_index)
     schedule = GlobalLRSchedule(job.train, stage.tokens_per_batch)
     flops = model_lib.flops_per_token(job.model, job.vocab_size, stage.seq_len).total
     metrics = MlflowMetrics(
@@ -323,6 +356,22 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         Probe(),
         saver,
     ]
+    return callbacks, metrics, rng
+
+
+def _data_args(job: TrainJob, stage: Stage) -> dict:
+    """The Trainer's data: the stage's mixture, and the held-out batches scored before each checkpoint."""
+    _, world_size = world()
+    # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
+    due = checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END)
+    evaluators = build_val_evaluators(job.val_streams, job.seq_len, job.train, world_size, due)
+    return {"train_dataloader": build_stage_data(stage, job.train, world_size), "eval_dataloader": evaluators or None}
+
+
+def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.Module) -> dict:
+    """How the Trainer runs: duration, batch split, precision, parallelism, and where it resumes from."""
+    _, world_size = world()
+    on_gpu = torch.cuda.is_available()
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
     device_batch = stage.batch_size // world_size
@@ -333,48 +382,21 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     algorithms = []
     if job.train.optim.grad_clip_norm:
         algorithms.append(GradientClipping(clipping_type="norm", clipping_threshold=job.train.optim.grad_clip_norm))
-    trainer = Trainer(
-        model=model,
-        train_dataloader=build_stage_data(stage, job.train, world_size),
-        # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
-        eval_dataloader=build_val_evaluators(
-            job.val_streams,
-            job.seq_len,
-            job.train,
-            world_size,
-            checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END),
-        )
-        or None,
-        optimizers=optimizer_for(hf_model, job.train.optim),
-        max_duration=f"{stage.end}tok",
-        device_train_microbatch_size=microbatch,
-        precision=precision,
-        parallelism_config=fsdp_config(job.train.parallelism, hf_model, world_size),
-        algorithms=algorithms,
-        callbacks=callbacks,
-        run_name=job.run_name,
-        seed=job.train.seed,
-        autoresume=True,
-        load_path=plan.load_path,
-        load_ignore_keys=drop_dataset_state if plan.kind == "enter" else None,
+    return {
+        "max_duration": f"{stage.end}tok",
+        "device_train_microbatch_size": microbatch,
+        "precision": precision,
+        "parallelism_config": fsdp_config(job.train.parallelism, hf_model, world_size),
+        "algorithms": algorithms,
+        "run_name": job.run_name,
+        "seed": job.train.seed,
+        "autoresume": True,
+        "load_path": plan.load_path,
+        "load_ignore_keys": drop_dataset_state if plan.kind == "enter" else None,
         # The data position comes from StreamingDataset state; never replay batches to get there.
-        spin_dataloaders=False,
-        progress_bar=False,
-        log_to_console=False,
-        load_progress_bar=False,
-        dist_timeout=float(os.environ.get("TESSERA_DIST_TIMEOUT", 300)),
-    )
-    if plan.kind == "enter":
-        # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
-        # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
-        trainer.state.timestamp = trainer.state.timestamp.to_next_epoch()
-    rng.take_from(trainer)  # a resume inside the stage: Composer would not restore the RNG state
-    if skip:
-        log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
-        apply_skip(trainer, skip)
-    if job.train.init_optimizer_from and plan.kind == "fresh":  # later launches restore their own
-        outcome = seed_optimizer(trainer.state.model, trainer.state.optimizers[0], job.train.init_optimizer_from)
-        log.info("optimizer state: %s", outcome)
-        metrics.start_tags["tessera.optimizer_state"] = outcome
-    trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
-    return trainer
+        "spin_dataloaders": False,
+        "progress_bar": False,
+        "log_to_console": False,
+        "load_progress_bar": False,
+        "dist_timeout": float(os.environ.get("TESSERA_DIST_TIMEOUT", 300)),
+    }
