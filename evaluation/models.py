@@ -69,8 +69,8 @@ def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise GauntletError(f"{uri}: an MLflow model URI needs a tracking URI (--tracking-uri or MLFLOW_TRACKING_URI)")
-    # The download lives only while the model loads: its weights end up in memory, and `tessera eval`
-    # used to leave a model-sized folder in /tmp on every call.
+    # The download lives only while the model loads: its weights end up in memory, and a kept folder would
+    # leave a model-sized copy in /tmp on every `tessera eval`.
     with tempfile.TemporaryDirectory(prefix="tessera-eval-model-") as dest:
         try:
             local = download_model(uri, tracking_uri, dest)

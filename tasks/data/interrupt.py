@@ -1,8 +1,8 @@
 """What a signal does to the prepare stage: stop tokenizing, publish nothing partial, exit in bounded time.
 
-Why a plain Ctrl-C used to hang `tessera prepare`: Prefect runs each source in a thread of its
-task runner, and only the main thread ever sees a KeyboardInterrupt. The source threads ran on
-and published their outputs. The pool's processes, in the terminal's process group, got the
+Why a plain Ctrl-C is not enough for `tessera prepare`: Prefect runs each source in a thread of its
+task runner, and only the main thread ever sees a KeyboardInterrupt. The source threads would run
+on and publish their outputs. The pool's processes, in the terminal's process group, got the
 SIGINT too (a ProcessPoolExecutor hands it back as a job's result and the workers live on), and so
 did Prefect's temporary API server, which died: py-spy showed the main thread inside the flow
 engine's crash handling, retrying `set_flow_run_state` against that dead server with backoff,
