@@ -13,6 +13,8 @@ import pytest
 
 from tasks.data import pipeline, readers, storage
 from tasks.data.config import TextSource
+from tasks.data.tally import Tally
+from tasks.data.units import plan_units
 from tests.test_data_helpers import expected_tokens, make_config, neox, neox_info, read_tokens
 
 SEPARATORS = ["\n\n", "\n", "\n\n\n", "aa", "aba", "<|endoftext|>", "é\n"]
@@ -21,9 +23,9 @@ ALPHABET = ["\n", "\n", "\n", "a", "b", "a", " ", "é", "x"]
 
 def _documents(path, sep: str, chunk_bytes: int) -> list[str]:
     src = TextSource(name="t", paths=[str(path)], separator=sep)
-    tally = readers.Tally()
+    tally = Tally()
     refs = storage.expand([str(path)])
-    return [d for u in readers.plan_units(src, refs, chunk_bytes, tally) for d in readers.documents(src, u, tally)]
+    return [d for u in plan_units(src, refs, chunk_bytes, tally) for d in readers.documents(src, u, tally)]
 
 
 def _expected(text: str, sep: str) -> list[str]:

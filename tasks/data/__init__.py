@@ -2,7 +2,10 @@
 
 config     the recipe's `data` section (sources are a union on `kind`)
 storage    listing, fingerprinting and reading local and s3:// files
-readers    sources -> work units -> document strings; bad input -> DataError or a counted skip
+units      sources -> work units (files, byte ranges, row groups) -> jobs
+readers    a work unit -> document strings, per format
+pieces     byte ranges -> the pieces between separators, bounded by max_doc_chars
+tally      bad input -> DataError or a counted skip; what was filtered or truncated
 tokenizer  load or train the tokenizer, saved with the data (TokenizerInfo)
 worker     tokenize one job of units in a pool process (no Streaming import there)
 parallel   the shared spawn-based process pool

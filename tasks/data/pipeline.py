@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.data import claim, hashing, interrupt, outputs, parallel, readers, remote_root, storage, worker
+from tasks.data import claim, hashing, interrupt, outputs, parallel, remote_root, storage, worker
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
 from tasks.data.mds import SplitWriter, columns
 from tasks.data.results import PreparedSource
+from tasks.data.tally import Tally
 from tasks.data.tokenizer import TokenizerInfo
+from tasks.data.units import chunk_size, group_units, plan_units
 
 # Under `tessera`, which Prefect's logging setup reaches (PREFECT_LOGGING_EXTRA_LOGGERS): a warning or a
 # wait for another run then shows in the flow run's log, not only on this process's stderr.
@@ -144,11 +146,11 @@ def uses_pool(p: Plan, data: DataConfig) -> bool:
     total = sum(r.size for r in p.refs)
     # Units are cut from files at about chunk_size bytes and grouped to about that size: a source no
     # larger than one chunk is one job, which runs in-process.
-    return total > readers.chunk_size(total, data.chunk_bytes)
+    return total > chunk_size(total, data.chunk_bytes)
 
 
-def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -> list[worker.Job]:
-    units = readers.plan_units(p.source, list(p.refs), data.chunk_bytes, tally)
+def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: Tally) -> list[worker.Job]:
+    units = plan_units(p.source, list(p.refs), data.chunk_bytes, tally)
     common = dict(
         source=p.source,
         tokenizer_json=tok.tokenizer_json,
@@ -160,7 +162,7 @@ def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: readers.Tally) -
     # A cap must stop at the same document whatever the worker count, so capped sources run in order.
     if src.max_documents is not None or src.max_tokens is not None or isinstance(src, HFSource):
         return [worker.Job(units=tuple(units), **common)] if units else []
-    groups = readers.group_units(units, readers.chunk_size(sum(r.size for r in p.refs), data.chunk_bytes))
+    groups = group_units(units, chunk_size(sum(r.size for r in p.refs), data.chunk_bytes))
     return [worker.Job(units=tuple(g), **common) for g in groups]
 
 
@@ -253,7 +255,7 @@ def _write(
 ) -> PreparedSource:
     src = p.source
     started = time.time()
-    tally = readers.Tally(src.on_error)
+    tally = Tally(src.on_error)
     for pattern, why in p.missing.items():
         tally.bad(pattern, why, "unreadable_path")
     workers = data.workers or parallel.default_workers()

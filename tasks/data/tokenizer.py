@@ -120,13 +120,15 @@ def _write_converted(cfg: TokenizerConfig, dest: str) -> None:
 def _sample(sources: list[SourceConfig], cfg: TokenizerConfig, chunk_bytes: int) -> Iterator[str]:
     """The first documents of each source in recipe order: deterministic and bounded."""
     from tasks.data import readers
+    from tasks.data.tally import Tally
+    from tasks.data.units import plan_units
 
     spec = cfg.train
     for src in sources:
         refs = [] if src.kind == "hf" else storage.expand(src.paths)
-        tally = readers.Tally(src.on_error)
+        tally = Tally(src.on_error)
         docs = chars = 0
-        for unit in readers.plan_units(src, refs, chunk_bytes, tally):
+        for unit in plan_units(src, refs, chunk_bytes, tally):
             for text in readers.documents(src, unit, tally):
                 yield text
                 docs += 1

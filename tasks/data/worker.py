@@ -17,6 +17,8 @@ import xxhash
 
 from tasks.data import readers
 from tasks.data.config import SourceConfig
+from tasks.data.tally import Tally
+from tasks.data.units import Unit
 
 _BATCH_DOCS = 1024
 _BATCH_CHARS = 1 << 20
@@ -39,7 +41,7 @@ class Job:
     """What one process tokenizes."""
 
     source: SourceConfig
-    units: tuple[readers.Unit, ...]
+    units: tuple[Unit, ...]
     tokenizer_json: str
     eos_id: int
     bos_id: int | None
@@ -56,7 +58,7 @@ class SplitCounts:
 class JobResult:
     train: SplitCounts
     val: SplitCounts
-    tally: readers.Tally
+    tally: Tally
     ids: dict[str, np.ndarray] | None  # None when a sink took the ids as they came
     capped: bool = False
     units: int = 0
@@ -86,7 +88,7 @@ def run_job(job: Job, sink: Sink | None = None, progress: Callable[[int, int], N
     counts = {"train": SplitCounts(), "val": SplitCounts()}
     kept: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     emit = sink or (lambda split, ids: kept[split].append(ids))
-    tally = readers.Tally(src.on_error)
+    tally = Tally(src.on_error)
     docs_left, tokens_left = src.max_documents, src.max_tokens
     capped = False
 
