@@ -139,7 +139,7 @@ class SecretRef(_Kube):
 
 
 class CacheVolume(_Kube):
-    """A volume for Streaming's local shard cache, mounted at infra.manifests.CACHE_DIR."""
+    """A volume for Streaming's local shard cache, mounted at infra.pod_spec.CACHE_DIR."""
 
     size: str = Field("100Gi", pattern=_QUANTITY, description="Size limit of the emptyDir (ignored for a claim).")
     claim_name: str | None = Field(

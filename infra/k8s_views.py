@@ -9,10 +9,7 @@ import yaml
 
 from infra.config import ComputeConfig
 from infra.kube_api import Kube
-from infra.kube_outcome import condition
-from infra.manifests import (
-    JOB_DIR,
-    JOB_FILE,
+from infra.kube_names import (
     LABEL_ATTEMPT,
     LABEL_COMPONENT,
     LABEL_NAME,
@@ -21,8 +18,10 @@ from infra.manifests import (
     Workload,
     label_value,
     selector_string,
-    stage_manifests,
 )
+from infra.kube_outcome import condition
+from infra.manifests import stage_manifests
+from infra.pod_spec import JOB_DIR, JOB_FILE
 
 
 def render_stage(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from infra.manifests import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
+from infra.kube_names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 FOREGROUND = "Foreground"  # the owner goes only after its Jobs and pods: nothing outlives a delete
 

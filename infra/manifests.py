@@ -2,258 +2,36 @@
 one checkpoint's evaluation (a one-pod Job), as plain dicts in the API's own JSON shape.
 
 Pure functions of the recipe's `compute.kubernetes` section and a Workload: the launcher creates
-them, `tessera k8s render` prints them, and the schema tests validate them.
-
-Names are deterministic from (run, stage, attempt) so that a relaunched flow finds the group it
-already created; every object carries the run, stage and attempt as labels.
+them, `tessera k8s render` prints them, and the schema tests validate them. This module answers how
+a group is shaped and restarted (failure policies, the rendezvous DNS, the job file it mounts); the
+pod inside each group comes from infra/pod_spec.py, and every name and label from infra/kube_names.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 from infra.config import KubernetesConfig
-from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
+from infra.kube_names import (
+    ANNOTATION_RUN,
+    EVAL_CONTAINER,
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    KUEUE_QUEUE_LABEL,
+    REPLICATED_JOB,
+    TRAIN_CONTAINER,
+    Workload,
+    pod0_address,
+)
+from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER, PodCommand, pod_spec, train_command
 from trainers.contract import FATAL as FATAL_EXIT
 from trainers.contract import MASTER_ADDR_ENV
-from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
-
-JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
-REPLICATED_JOB = "node"  # the one replicated job of a training JobSet: one Indexed Job of N pods
-
-# Where things are inside a pod. CODE_DIR is the image's WORKDIR (infra/Dockerfile).
-CODE_DIR = "/opt/tessera"
-JOB_DIR = "/etc/tessera/job"
-JOB_FILE = "job.json"
-WORK_DIR = "/var/tessera/work"
-POD_SAVE_FOLDER = f"{WORK_DIR}/checkpoints"
-CACHE_DIR = "/var/cache/tessera"
-TRAIN_CONTAINER, EVAL_CONTAINER = "trainer", "evaluator"
-
-LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY = (
-    "app.kubernetes.io/name",
-    "app.kubernetes.io/component",
-    "app.kubernetes.io/managed-by",
-)
-LABEL_RUN, LABEL_STAGE, LABEL_ATTEMPT = "tessera.dev/run", "tessera.dev/stage", "tessera.dev/attempt"
-ANNOTATION_RUN = "tessera.dev/run-name"  # the run name as written (a label value may be a slug of it)
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 # What the Job controller writes into a Job's failure message when a pod failure policy rule fires
 # (pkg/controller/job/pod_failure_policy.go); the JobSet rules below match on it.
 FATAL_MESSAGE = f"failed with exit code {FATAL_EXIT} matching FailJob rule"
 DISRUPTION_MESSAGE = "has condition DisruptionTarget matching FailJob rule"
-
-_SLUG_MAX = 20
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-
-
-def _digest(text: str, n: int = 6) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
-
-
-def slug(run: str) -> str:
-    """A DNS-label-safe, bounded form of a run name; a hash suffix keeps distinct names distinct."""
-    plain = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", run.lower())).strip("-")
-    if plain == run and len(plain) <= _SLUG_MAX:
-        return plain
-    return f"{plain[: _SLUG_MAX - 7].rstrip('-')}-{_digest(run)}".lstrip("-")
-
-
-def label_value(text: str) -> str:
-    return text if len(text) <= 63 and _LABEL_VALUE.match(text) else slug(text)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Which unit of work a group of objects runs: stage `stage` of `run`, or the evaluation of one checkpoint."""
-
-    run: str
-    component: Literal["train", "eval"]
-    stage: int = 0  # train: the 0-based stage index
-    tokens: int = 0  # eval: the checkpoint's tokens
-    attempt: int = 0  # launches of this unit so far (a relaunch after a preemption is the next)
-
-    @property
-    def name(self) -> str:
-        unit = f"s{self.stage}" if self.component == "train" else f"e{self.tokens}"
-        return f"tessera-{slug(self.run)}-{unit}-a{self.attempt}"
-
-    def selector(self, with_attempt: bool = False) -> dict[str, str]:
-        """Labels every object of this unit carries (with_attempt: of this very launch)."""
-        unit = str(self.stage) if self.component == "train" else f"tok-{self.tokens}"
-        labels = {
-            LABEL_NAME: "tessera",
-            LABEL_COMPONENT: self.component,
-            LABEL_RUN: label_value(self.run),
-            LABEL_STAGE: unit,
-        }
-        if with_attempt:
-            labels[LABEL_ATTEMPT] = str(self.attempt)
-        return labels
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return {**self.selector(with_attempt=True), LABEL_MANAGED_BY: "tessera"}
-
-
-def selector_string(labels: Mapping[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-
-
-@dataclass(frozen=True)
-class PodCommand:
-    """What runs in a pod: the command line, plus the plain environment the caller adds."""
-
-    argv: list[str]
-    env: Mapping[str, str] = field(default_factory=dict)
-
-
-def pod0_address(cfg: KubernetesConfig, work: Workload) -> str:
-    """Stable DNS name of the pod with completion index 0 (the rendezvous host).
-
-    JobSet: `<jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>`, subdomain defaulting to
-    the JobSet's name. Indexed Job: `<job>-<index>.<service>`, the pod's hostname and subdomain.
-    """
-    if cfg.api == "jobset":
-        return f"{work.name}-{REPLICATED_JOB}-0-0.{work.name}"
-    return f"{work.name}-0.{work.name}"
-
-
-def train_command(cfg: KubernetesConfig, ranks_per_node: int, module: str, args: Sequence[str]) -> list[str]:
-    """Composer's launcher on one node, behind infra.pod_launch (which reports the first failing rank's code).
-
-    `$(VAR)` is expanded by the kubelet from the container's environment: JOB_COMPLETION_INDEX is
-    added to every container of an Indexed Job by the Job controller.
-    """
-    return [
-        "python",
-        "-m",
-        "infra.pod_launch",
-        "composer",
-        "-n",
-        str(ranks_per_node),
-        "--world_size",
-        str(cfg.nodes * ranks_per_node),
-        "--node_rank",
-        "$(JOB_COMPLETION_INDEX)",
-        "--master_addr",
-        f"$({MASTER_ADDR_ENV})",
-        "--master_port",
-        str(cfg.master_port),
-        "-m",
-        module,
-        *args,
-    ]
-
-
-def _env(cfg: KubernetesConfig, extra: Mapping[str, str]) -> tuple[list[dict], list[dict]]:
-    """(env, envFrom): plain values first, then credentials by reference only."""
-    plain = {"PYTHONUNBUFFERED": "1", **cfg.env, **{k: v for k, v in extra.items() if k != SUPERVISOR_ENV}}
-    if cfg.cache is not None:
-        plain.setdefault(CACHE_ENV, CACHE_DIR)
-    env = [{"name": k, "value": v} for k, v in plain.items()]
-    env_from = []
-    for ref in (cfg.s3_credentials, cfg.mlflow_credentials):
-        if ref is None:
-            continue
-        if ref.keys:
-            env += [
-                {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": key}}}
-                for var, key in ref.keys.items()
-            ]
-        else:
-            env_from.append({"secretRef": {"name": ref.name}})
-    return env, env_from
-
-
-def _resources(cfg: KubernetesConfig, gpus: int, cpu: str | None, memory: str | None) -> dict:
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    if cpu:
-        requests["cpu"] = cpu
-    if memory:
-        requests["memory"] = limits["memory"] = memory
-    if gpus:
-        limits[cfg.gpu_resource] = str(gpus)
-    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
-
-
-def pod_spec(
-    cfg: KubernetesConfig,
-    *,
-    container: str,
-    command: PodCommand,
-    gpus: int,
-    cpu: str | None,
-    memory: str | None,
-    job_config_map: str | None = None,
-    subdomain: str | None = None,
-    ports: Sequence[int] = (),
-) -> dict:
-    """A pod that runs `command` as a non-root user with nothing it does not need."""
-    env, env_from = _env(cfg, command.env)
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": WORK_DIR}]
-    volumes: list[dict] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm_size}},
-        {"name": "scratch", "emptyDir": {"sizeLimit": cfg.scratch_size}},
-    ]
-    if job_config_map:
-        mounts.append({"name": "job", "mountPath": JOB_DIR, "readOnly": True})
-        volumes.append({"name": "job", "configMap": {"name": job_config_map}})
-    if cfg.cache is not None:
-        mounts.append({"name": "cache", "mountPath": CACHE_DIR})
-        volumes.append(
-            {"name": "cache", "persistentVolumeClaim": {"claimName": cfg.cache.claim_name}}
-            if cfg.cache.claim_name
-            else {"name": "cache", "emptyDir": {"sizeLimit": cfg.cache.size}}
-        )
-    main = {
-        "name": container,
-        "image": cfg.image,
-        "imagePullPolicy": cfg.image_pull_policy,
-        "workingDir": CODE_DIR,
-        "command": command.argv,
-        "env": env,
-        "resources": _resources(cfg, gpus, cpu, memory),
-        "volumeMounts": mounts,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-    if env_from:
-        main["envFrom"] = env_from
-    if ports:
-        main["ports"] = [{"name": "rendezvous", "containerPort": p, "protocol": "TCP"} for p in ports]
-    spec: dict = {
-        "restartPolicy": "Never",  # the Job (and JobSet) decide about restarts, as a group
-        # The trainer never talks to the API server; the flow pod does, with its own account.
-        "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [main],
-        "volumes": volumes,
-    }
-    optional = {
-        "subdomain": subdomain,
-        "nodeSelector": dict(cfg.node_selector) or None,
-        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in cfg.tolerations] or None,
-        "affinity": cfg.affinity.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
-        if cfg.affinity
-        else None,
-        "priorityClassName": cfg.priority_class_name,
-        "serviceAccountName": cfg.service_account_name,
-        "imagePullSecrets": [{"name": n} for n in cfg.image_pull_secrets] or None,
-    }
-    spec.update({k: v for k, v in optional.items() if v})
-    return spec
 
 
 def _pod_failure_policy(container: str) -> dict:

@@ -14,11 +14,12 @@ import time
 import pytest
 
 from infra import allow_launches, cancel_all
-from infra.kubernetes import KubernetesBackend, KubernetesJob
+from infra.kube_job import KubernetesJob
+from infra.kubernetes import KubernetesBackend
 from infra.lifecycle import forget
-from infra.manifests import SUPERVISOR_ENV
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.variants import CPU_ONE_NODE, GPU_TWO_NODES, INDEXED_JOB, compute, job_json
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 PROGRESS = (
     'tessera.progress {"stage":"s0","stage_index":0,"step":4,"tokens":4096,"stage_start":0,'

@@ -14,18 +14,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from infra.manifests import (
-    CACHE_DIR,
-    JOB_DIR,
-    JOB_FILE,
-    POD_SAVE_FOLDER,
-    SUPERVISOR_ENV,
-    Workload,
-    eval_job,
-    stage_manifests,
-)
+from infra.kube_names import Workload
+from infra.manifests import eval_job, stage_manifests
+from infra.pod_spec import CACHE_DIR, JOB_DIR, JOB_FILE, POD_SAVE_FOLDER
 from tests.conftest import ROOT
 from tests.k8s.variants import CPU_ONE_NODE, GPU_KUEUE, GPU_TWO_NODES, INDEXED_JOB, VARIANTS, compute, job_json
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 JOBSET_RELEASE = "v0.12.0"

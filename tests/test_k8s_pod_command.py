@@ -15,9 +15,12 @@ import re
 import subprocess
 import sys
 
-from infra.manifests import MASTER_ADDR_ENV, SUPERVISOR_ENV, Workload, jobset
+from infra.kube_names import Workload
+from infra.manifests import jobset
 from tests.conftest import ROOT, free_port
 from tests.k8s.variants import CPU_ONE_NODE, compute
+from trainers.contract import MASTER_ADDR_ENV
+from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 
 def kubelet_expand(arg: str, env: dict[str, str]) -> str:

@@ -1,0 +1,149 @@
+"""One Kubernetes launch as a job with the same interface as infra.local's: poll, wait, cancel, tail,
+new_output, log_path, stopped, and the preemptions and restarts the group went through.
+
+A job runs two threads from `start` until its group ends: the watch (infra/kube_watch.py), which
+decides the Outcome, and the relay of pod 0's output into the local log (infra/kube_relay.py). This
+module ties them together: the end is written once, after pod 0's last lines, and a cancel deletes
+every object (infra/kube_cleanup.py) before the job counts as ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from infra.config import ComputeConfig
+from infra.joblog import JobLog
+from infra.kube_api import Kube, KubeError
+from infra.kube_cleanup import delete_launch
+from infra.kube_names import Workload
+from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome
+from infra.kube_relay import LogRelay
+from infra.kube_watch import GroupWatch
+from infra.lifecycle import forget
+
+
+class KubernetesJob:
+    """One launch: a group of objects in one namespace, watched by a thread until it ends."""
+
+    watch_s = 2  # a watch request's length: how often pods and timeouts are looked at without a group event
+    delete_wait_s = 120.0  # how long cancel waits for the pods of a deleted group to be gone
+
+    def __init__(
+        self,
+        kube: Kube,
+        compute: ComputeConfig,
+        work: Workload,
+        objects: list[dict],
+        container: str,
+        log_path: Path,
+        *,
+        recreate: bool,
+        created: bool,
+    ):
+        self.kube, self.compute, self.work, self.objects = kube, compute, work, objects
+        self.group = objects[-1]  # the JobSet or Job; ConfigMap and Service come first
+        self.kind, self.name = self.group["kind"], self.group["metadata"]["name"]
+        self.log_path = log_path
+        self.log_offset = log_path.stat().st_size if log_path.exists() else 0
+        self.stopped = False
+        self.created = created  # False: re-attached to a group an earlier process created
+        self._outcome: Outcome | None = None
+        self._stop = threading.Event()
+        self._ended = threading.Event()
+        self._log = JobLog(log_path, self.log_offset)
+        self._relay = LogRelay(kube, work, container, log_path, ended=self._ended, stop=self._stop)
+        self._group = GroupWatch(
+            kube,
+            compute,
+            work,
+            self.group,
+            container,
+            recreate=recreate,
+            created=created,
+            stop=self._stop,
+            report=self._relay.line,
+            delete_wait_s=self.delete_wait_s,
+        )
+        self._watcher = threading.Thread(target=self._watch, name=f"k8s-watch-{self.name}", daemon=True)
+        self._logger = threading.Thread(target=self._relay.run, name=f"k8s-log-{self.name}", daemon=True)
+
+    def start(self) -> KubernetesJob:
+        self._watcher.start()
+        self._logger.start()
+        return self
+
+    # -- the job interface ---------------------------------------------------------------------------
+
+    @property
+    def preemptions(self) -> int:
+        """Evictions this group restarted through (JobSet) or was recreated after (indexed job)."""
+        return self._group.preemptions
+
+    @property
+    def restarts(self) -> int:
+        """Restarts after application failures."""
+        return self._group.restarts
+
+    def poll(self) -> int | None:
+        return None if self._outcome is None else self._outcome.code
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._watcher.ident is not None:
+            self._watcher.join(timeout)
+        if self._outcome is None:
+            raise TimeoutError(f"{self.kind} {self.name} still running after {timeout}s")
+        return self._outcome.code
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return self._outcome
+
+    def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
+        """Complete lines of pod 0's output (and the launcher's own lines) since the last call."""
+        return self._log.new_lines(max_bytes)
+
+    def tail(self, lines: int = 1000, max_bytes: int = 1 << 20) -> str:
+        """The end of this launch's log: by default all of a failed attempt's pod-0 output, within 1 MiB,
+        and the failing pod's last lines, then the line that explains the end."""
+        return self._log.tail(lines, max_bytes)
+
+    def cancel(self, grace_s: float = 10.0) -> None:
+        """Delete every object of the launch (foreground: the pods go first) and wait until they are gone."""
+        self._stop.set()
+        delete_launch(self.kube, self.objects, grace_s + self.delete_wait_s, self._relay.line)
+        if self._watcher.ident is not None:
+            self._watcher.join(timeout=max(5.0, grace_s))
+        if self._outcome is None:
+            self.end(Outcome(INTERRUPTED, "disruption", f"{self.kind} {self.name} was deleted by its launcher"))
+        if self._logger.ident is not None:
+            self._logger.join(timeout=5.0)
+        forget(self)
+
+    # -- for the launcher (infra/kubernetes.py) ------------------------------------------------------
+
+    def note(self, text: str) -> None:
+        """One line of the launcher's own in the job log (until the end is written)."""
+        self._relay.line(text)
+
+    def end(self, outcome: Outcome) -> None:
+        """The launch ended with `outcome`: pod 0's last output, the failing pod's last lines, then the
+        line that explains the end; poll and wait report it from then on."""
+        self._ended.set()
+        if self._logger.ident is not None and self._logger is not threading.current_thread():
+            # pod 0's last lines before the explanation; a pod 0 still running has written all it had
+            self._logger.join(timeout=2.0)
+        if outcome.cause != "done":
+            failure = self._group.failure_behind(outcome)
+            if failure is not None:
+                self._relay.last_lines_of(failure.pod)
+        self._relay.close(outcome.message)
+        self._outcome = outcome
+
+    def _watch(self) -> None:
+        try:
+            outcome = self._group.until_end(self.watch_s)
+        except KubeError as exc:
+            outcome = Outcome(RETRYABLE, "failure", f"lost track of {self.kind} {self.name}: {exc}")
+        if outcome is not None:
+            self.end(outcome)

@@ -1,0 +1,219 @@
+"""Watching one launched group until it ends: a watch on the JobSet or Job, with its pods and the
+scheduler's events looked at on every event and every `watch_s`, turned into an Outcome.
+
+The classification of a single pod or condition is infra/kube_outcome.py; this module keeps what
+only shows over time: how long a pod has been unschedulable or pulling its image, how long a JobSet
+has been suspended by Kueue, the restarts a JobSet went through (and which were evictions), and,
+with `api: indexed-job`, the restarts this launcher makes itself by deleting and recreating the Job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from infra.config import ComputeConfig, KubernetesConfig
+from infra.kube_api import Kube
+from infra.kube_cleanup import delete_for_recreate
+from infra.kube_names import Workload, selector_string
+from infra.kube_outcome import (
+    FATAL,
+    IMAGE_PULL,
+    INTERRUPTED,
+    INVALID_SPEC,
+    RETRYABLE,
+    Outcome,
+    PodFailure,
+    condition,
+    explain_end,
+    pod_failure,
+    scheduler_message,
+    unschedulable,
+    waiting,
+)
+
+
+class GroupWatch:
+    """One group's watch: `until_end` returns its Outcome (None when stopped), counting restarts on the way."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        compute: ComputeConfig,
+        work: Workload,
+        group: dict,
+        container: str,
+        *,
+        recreate: bool,
+        created: bool,
+        stop: threading.Event,
+        report: Callable[[str], None],
+        delete_wait_s: float,
+    ):
+        self.kube, self.compute, self.work, self.group = kube, compute, work, group
+        self.cfg: KubernetesConfig = compute.kubernetes
+        self.kind, self.name = group["kind"], group["metadata"]["name"]
+        self.container, self.recreate, self.created = container, recreate, created
+        self.delete_wait_s = delete_wait_s  # how long a recreate waits for the old group's pods to be gone
+        self.preemptions = 0  # evictions this group restarted through (JobSet) or was recreated after (indexed job)
+        self.restarts = 0  # restarts after application failures
+        self._stop, self._report = stop, report
+        self._failures: dict[str, PodFailure] = {}  # by pod uid, in the order seen
+        self._since: dict[tuple[str, str], float] = {}  # (pod uid, what) -> when first seen stuck
+        self._restarts_seen: int | None = None
+
+    def failure_behind(self, outcome: Outcome) -> PodFailure | None:
+        """The pod failure of this attempt that `outcome` reports, if it reports one."""
+        return next((f for f in self._failures.values() if f.message in outcome.message), None)
+
+    def until_end(self, watch_s: float) -> Outcome | None:
+        while not self._stop.is_set():
+            for kind, obj in self.kube.watch(self.kind, self.name, watch_s):
+                if self._stop.is_set():
+                    return None
+                if kind == "DELETED":
+                    return self._gone()
+                outcome = self._judge(obj)
+                if outcome is not None:
+                    return outcome
+            if self._stop.is_set():
+                return None
+            obj = self.kube.get(self.kind, self.name)
+            if obj is None:
+                return self._gone()
+            outcome = self._judge(obj)  # pods and timeouts change without an event on the group
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _gone(self) -> Outcome | None:
+        if self._stop.is_set():
+            return None
+        return Outcome(INTERRUPTED, "disruption", f"{self.kind} {self.name} was deleted from outside")
+
+    def _pods(self) -> list[dict]:
+        return self.kube.list("Pod", selector_string(self.work.selector(with_attempt=True)))
+
+    def _stuck(self, uid: str, what: str, now: float) -> float:
+        return now - self._since.setdefault((uid, what), now)
+
+    def _judge(self, group: dict) -> Outcome | None:
+        """An Outcome once the group has ended (or must be ended), else None; recreates an indexed job."""
+        now = time.monotonic()
+        pods = [p for p in self._pods() if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        for pod in pods:
+            uid = pod["metadata"].get("uid", pod["metadata"]["name"])
+            name = pod["metadata"]["name"]
+            failure = pod_failure(pod, self.container)
+            if failure is not None and uid not in self._failures:
+                self._failures[uid] = failure
+                if failure.cause == "fatal":  # OOM or exit 78: a restart would fail the same way
+                    return Outcome(failure.code, "fatal", f"{self._what()} failed: {failure.message}")
+            stuck = waiting(pod, self.container)
+            if stuck and stuck[0] in INVALID_SPEC:
+                return Outcome(FATAL, "fatal", f"pod {name} cannot start: {stuck[0]}: {stuck[1]}".rstrip(": "))
+            if stuck and stuck[0] in IMAGE_PULL:
+                if self._stuck(uid, "pull", now) > self.cfg.image_pull_timeout_s:
+                    return Outcome(
+                        RETRYABLE,
+                        "failure",
+                        f"pod {name}: image {self.cfg.image} not pulled in "
+                        f"{self.cfg.image_pull_timeout_s:.0f}s: {stuck[0]}: {stuck[1]}".rstrip(": "),
+                    )
+            message = unschedulable(pod)
+            if message is not None and self._stuck(uid, "pending", now) > self.cfg.pending_timeout_s:
+                events = self.kube.list("Event", field_selector=f"involvedObject.name={name}")
+                message = scheduler_message(events) or message
+                return Outcome(
+                    FATAL,
+                    "fatal",
+                    f"pod {name} unschedulable for {self.cfg.pending_timeout_s:.0f}s "
+                    f"(compute.kubernetes.pending_timeout_s): {message}",
+                )
+        if self.kind == "JobSet":
+            return self._judge_jobset(group, now)
+        return self._judge_job(group)
+
+    def _what(self) -> str:
+        return f"{self.kind} {self.name}"
+
+    def _attempt_failures(self) -> list[PodFailure]:
+        return list(self._failures.values())
+
+    def _judge_jobset(self, js: dict, now: float) -> Outcome | None:
+        status = js.get("status") or {}
+        restarts = int(status.get("restarts") or 0)
+        counted = int(status.get("restartsCountTowardsMax") or 0)
+        self.preemptions, self.restarts = restarts - counted, counted
+        if self._restarts_seen is None:  # re-attached: the earlier restarts were logged by the earlier process
+            self._restarts_seen = 0 if self.created else restarts
+        if restarts > self._restarts_seen:
+            last = list(self._failures.values())[-1].message if self._failures else "no pod failure was seen"
+            self._report(
+                f"{self._what()} restarted the whole group (restart {restarts}: {counted} of "
+                f"max_restarts={self.cfg.max_restarts} counted, {restarts - counted} disruptions); {last}"
+            )
+            self._restarts_seen = restarts
+            self._failures.clear()
+            self._since.clear()
+        if condition(js, "Completed"):
+            return Outcome(0, "done", f"{self._what()} completed")
+        failed = condition(js, "Failed")
+        if failed:
+            return explain_end(self._attempt_failures(), self._what(), failed)
+        if self.preemptions > self.compute.max_preemptions:
+            return Outcome(
+                INTERRUPTED,
+                "disruption",
+                f"{self._what()}: restarts exhausted on evictions "
+                f"({self.preemptions} > compute.max_preemptions={self.compute.max_preemptions})",
+            )
+        suspended = condition(js, "Suspended")
+        if suspended and self._stuck(self.name, "suspended", now) > self.cfg.pending_timeout_s:
+            queue = f" in queue {self.cfg.queue_name}" if self.cfg.queue_name else ""
+            return Outcome(
+                FATAL,
+                "fatal",
+                f"{self._what()} suspended for {self.cfg.pending_timeout_s:.0f}s, not "
+                f"admitted{queue}: {suspended.get('message', '')}".rstrip(": "),
+            )
+        if not suspended:
+            self._since.pop((self.name, "suspended"), None)
+        return None
+
+    def _judge_job(self, job: dict) -> Outcome | None:
+        if condition(job, "Complete"):
+            return Outcome(0, "done", f"{self._what()} completed")
+        failed = condition(job, "Failed")
+        if not failed:
+            return None
+        outcome = explain_end(self._attempt_failures(), self._what(), failed)
+        if not self.recreate:
+            return outcome
+        if outcome.cause == "disruption" and self.preemptions < self.compute.max_preemptions:
+            self.preemptions += 1
+        elif outcome.cause == "failure" and self.restarts < self.cfg.max_restarts:
+            self.restarts += 1
+        else:
+            if outcome.cause == "disruption":
+                return Outcome(
+                    outcome.code,
+                    outcome.cause,
+                    f"{outcome.message}; restarts exhausted on evictions "
+                    f"(compute.max_preemptions={self.compute.max_preemptions})",
+                )
+            return outcome
+        self._report(
+            f"{outcome.message}; deleting and recreating the whole group (restart {self.restarts} of "
+            f"max_restarts={self.cfg.max_restarts}, {self.preemptions} disruptions)"
+        )
+        self._recreate()
+        return None
+
+    def _recreate(self) -> None:
+        """The Job's restart as a group, as a JobSet's BlockingRecreate does it (infra/kube_cleanup.py)."""
+        delete_for_recreate(self.kube, self.kind, self.name, self.delete_wait_s, self._stop)
+        self.kube.create(self.group)
+        self._failures.clear()
+        self._since.clear()
