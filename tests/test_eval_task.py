@@ -141,7 +141,7 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
 ):
     """With the kubernetes backend the gauntlet runs in `python -m evaluation`; it checks the manifest's SHA-256
     (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
-    from evaluation.__main__ import EXIT_BAD_INPUT, _verified, main, parse_args
+    from evaluation.__main__ import EXIT_FATAL, _verified, main, parse_args
     from tasks.evaluate import pod_args
     from trainers.format.checkpoints import file_sha256
 
@@ -170,16 +170,16 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
         "--step",
         "4096",
     ]
-    assert main(["--checkpoint", str(damaged), *common]) == EXIT_BAD_INPUT
+    assert main(["--checkpoint", str(damaged), *common]) == EXIT_FATAL
     assert capsys.readouterr().err.startswith(
         f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: CRC-32 mismatch in "
     )
-    assert main(["--checkpoint", str(damaged), "--sha256", published, *common]) == EXIT_BAD_INPUT
+    assert main(["--checkpoint", str(damaged), "--sha256", published, *common]) == EXIT_FATAL
     err = capsys.readouterr().err
     assert err.startswith(f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: SHA-256 "), err
     assert err.rstrip().endswith(f"is not the {published[:12]}... published")
     # a valid checkpoint that is not the one published (its CRCs pass): refused by the hash alone
-    assert main(["--checkpoint", str(path), "--sha256", "0" * 64, *common]) == EXIT_BAD_INPUT
+    assert main(["--checkpoint", str(path), "--sha256", "0" * 64, *common]) == EXIT_FATAL
     assert "not evaluated: SHA-256 " in capsys.readouterr().err
     assert not (tmp_path / "m.db").exists()  # refused before anything was logged
 
