@@ -32,6 +32,7 @@ from tasks.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
 from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FATAL, INTERRUPTED
+from trainers.format.atomic import atomic_write
 
 USAGE_ERROR = 2  # argparse
 POLL_SECONDS = 1.0
@@ -102,16 +103,13 @@ def make_job(
 
 
 def write_job(job: TrainJob, path: Path) -> Path:
-    """Publish the job spec atomically: a pod must never read half a file."""
-    import os
-    import tempfile
+    """Publish the job spec atomically and durably: a pod must never read half a file.
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".job-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(job.model_dump_json(indent=2))
-    os.replace(tmp, path)
-    return path
+    The flow calls it as it starts, before any launch, whatever the file already holds: a job file cut
+    short by a power loss (the trainer refuses it as fatal, since it cannot know the job) is thereby
+    rewritten by the rerun that resumes the run.
+    """
+    return atomic_write(path, job.model_dump_json(indent=2))
 
 
 def _run_once(job, relay: ProgressRelay) -> int:

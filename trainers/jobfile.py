@@ -23,5 +23,14 @@ def load_job(path: str | Path) -> TrainJob:
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
         if err["type"] == "json_invalid":
-            msg = f"not valid JSON ({err.get('ctx', {}).get('error', msg)})"
+            why = err.get("ctx", {}).get("error", msg)
+            if not text.strip("\x00 \t\r\n") or why.startswith("EOF while parsing"):
+                # Cut short: a power loss before job files were written durably (tasks/train.py write_job
+                # now uses trainers/format/atomic.py). Only the flow knows the job, and it writes the file
+                # again as it starts, before any launch: so fatal for this launch (the same file fails every
+                # relaunch), while a rerun of the flow resumes the run from its checkpoints.
+                raise FatalError(
+                    f"{path}: empty or cut short ({why}); a rerun of the flow writes it again and resumes the run"
+                ) from None
+            msg = f"not valid JSON ({why})"
         raise FatalError(f"{path}: {where}: {msg}") from None

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainers.config import MlflowTarget
+from trainers.format.atomic import CutShort, atomic_write_json, read_json
 
 log = logging.getLogger("tessera.train")
 THREAD_NAME = "tessera-mlflow-outbox"
@@ -82,9 +83,16 @@ def marker_path(folder: str | Path, run_name: str) -> Path:
 
 def read_marker(path: Path, run_id: str) -> int:
     """Tokens up to which an earlier launch journaled or delivered the metrics of MLflow run `run_id`."""
-    if not path.exists():
+    try:
+        marker = read_json(path)
+    except CutShort as why:
+        # Written whole and fsynced now (atomic_write); one cut short by a power loss before that is read as
+        # "nothing logged": the relaunch then logs again the few steps it re-trains after its checkpoint (a
+        # second point at those steps in MLflow) rather than failing a run whose metrics are all safe.
+        log.warning("%s; read as no metrics logged yet", why)
         return 0
-    marker = json.loads(path.read_text())
+    if marker is None:
+        return 0
     return int(marker["tokens"]) if marker.get("mlflow_run_id") == run_id else 0
 
 
@@ -206,9 +214,7 @@ class Outbox:
         steps = [r.tokens for r in rows if r.tokens is not None and r.run_id == self.target.run_id]
         if steps and max(steps) > self._accounted:
             self._accounted = max(steps)
-            tmp = self.marker.with_name(f".tmp-{self.marker.name}")
-            tmp.write_text(json.dumps({"mlflow_run_id": self.target.run_id, "tokens": self._accounted}))
-            os.replace(tmp, self.marker)
+            atomic_write_json(self.marker, {"mlflow_run_id": self.target.run_id, "tokens": self._accounted})
 
     def _retire(self, chunk: list[_Row]) -> None:
         """The chunk is delivered (or dropped): out of the queue, acked in the journal."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.format import checkpoints
+from trainers.format.atomic import CutShort, atomic_write_json, read_json
 from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.layout import RunFolder, discard
 
@@ -96,13 +97,17 @@ class RemoteFolder:
         """Take the remote copy of an append-only JSON list (ledger, rollbacks) when it knows more."""
         if local.name not in self._names(local.name):
             return
-        remote = json.loads(self._get_text(local.name))
-        mine = json.loads(local.read_text()) if local.exists() else []
+        try:
+            remote = json.loads(self._get_text(local.name))
+        except ValueError:  # never expected (uploads are of whole files); the local copy decides then
+            log.warning("%s/%s does not parse: the local copy is used", self.uri, local.name)
+            return
+        try:
+            mine = read_json(local, missing=[])
+        except CutShort:  # a power loss cut the local copy short: the mirror's, uploaded whole, knows more
+            mine = []
         if len(remote) > len(mine):
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.with_name(f".tmp-{local.name}")
-            tmp.write_text(json.dumps(remote, indent=1))
-            tmp.replace(local)
+            atomic_write_json(local, remote, indent=1)
 
     def push_file(self, local: Path) -> None:
         self.store.upload_object(local.name, str(local))

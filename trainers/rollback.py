@@ -12,22 +12,38 @@ What happens (train.loss_guard configures it):
    LR schedule and the stage boundaries, do not move: the skipped data is simply not trained on.
 
 The relaunch is what restores the weights, so no in-memory state of a diverged model is reused.
+
+The records are written whole and durably (trainers/format/atomic.py). A file cut short by a power
+loss before that (empty, typically) is read as no records, and rewritten so: the anomaly it recorded
+comes back at the same step on the relaunch (the same data from the same checkpoint) and is recorded
+again, so what is lost is at most a skip already taken and some of the `max_rollbacks` budget, which
+the supervisor's restart budget still bounds. Refusing the file instead would fail every relaunch.
+With an s3 mirror, the mirror's whole copy replaces it first (RemoteFolder.pull_json_list).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 import sys
 
 from trainers.config import TrainJob
 from trainers.exit_codes import ExitCode, LossAnomaly
+from trainers.format.atomic import CutShort, atomic_write_json, read_json
 from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
 
+log = logging.getLogger("tessera.rollback")
+
 
 def read_rollbacks(folder: RunFolder) -> list[dict]:
-    return json.loads(folder.rollbacks.read_text()) if folder.rollbacks.exists() else []
+    """The run's rollback records; none when there is no file or it was cut short (see the module docstring).
+    Rank 0 only, which holds the run's lease while it reads."""
+    try:
+        return read_json(folder.rollbacks, missing=[])
+    except CutShort as why:
+        log.warning("%s; read as no rollback records (a loss anomaly they held recurs and is recorded again)", why)
+        atomic_write_json(folder.rollbacks, [], indent=1)  # repaired once, not warned about at every read
+        return []
 
 
 def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
@@ -61,9 +77,7 @@ def record_anomaly(job: TrainJob, exc: BaseException) -> int | None:
                 "reason": str(exc),
             }
         )
-        tmp = folder.rollbacks.with_suffix(".tmp")
-        tmp.write_text(json.dumps(records, indent=1))
-        os.replace(tmp, folder.rollbacks)
+        atomic_write_json(folder.rollbacks, records, indent=1)
         remote = RemoteFolder.for_job(job)
         if remote is not None:  # the relaunch may land on another node
             remote.push_file(folder.rollbacks)

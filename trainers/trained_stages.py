@@ -6,23 +6,72 @@
 its StageConfig. A later launch may append stages (continued pretraining adds one) but not change
 or drop one: its checkpoints were made with those numbers, and the LR schedule, the data position
 and the token boundaries of every later stage follow from them.
+
+The ledger is written whole and durably (trainers/format/atomic.py). One written before that, and
+cut short by a power loss (typically an empty file: the rename reached the disk, the bytes did
+not), is re-derived rather than refused: refusing would fail every relaunch of a run that has
+nothing wrong with it but this file.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 from collections.abc import Sequence
 
 from trainers.config import StageConfig
 from trainers.exit_codes import FatalError
+from trainers.format.atomic import CutShort, atomic_write_json, read_json
 from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
+
+log = logging.getLogger("tessera.plan")
+
+
+def _write(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
+    atomic_write_json(folder.ledger, [s.model_dump(mode="json") for s in stages], indent=1)
+
+
+def _rederived(folder: RunFolder, stages: Sequence[StageConfig], why: CutShort) -> list[dict]:
+    """The ledger a cut-short one stood for, from what the run left on disk; written back.
+
+    Every stage with a checkpoint file of this run (published or not: a file is saved only after its
+    stage was recorded) was trained on, so the ledger held at least stages 0..K of the highest such K;
+    the launch's own `record` then appends the stage being started, as a clean run would have. What a
+    re-derived ledger cannot tell is an edit of a trained stage's numbers made meanwhile; the stage
+    names the published manifests record are checked, and a stage that is gone is still refused.
+    """
+    highest = -1
+    for stage_index, _, path in folder.files():
+        if stage_index >= len(stages):
+            raise FatalError(
+                f"train.stages: stage index {stage_index} was already trained on ({path.name}) but is missing "
+                "from the job; stages can be appended, not removed"
+            )
+        highest = max(highest, stage_index)
+    for info in folder.complete():
+        if info.stage_index >= len(stages) or stages[info.stage_index].name != info.stage:
+            raise FatalError(
+                f"train.stages[{info.stage_index}]: stage {info.stage!r} was already trained on ({info.path}) but "
+                "the job names another stage there; editing a trained stage is refused (append a new stage instead)"
+            )
+        highest = max(highest, info.stage_index)
+    # No checkpoint at all (highest -1): nothing was trained that the ledger must protect; the empty
+    # list is replaced by the launch's own record of the stage it starts.
+    log.warning("%s; re-derived from this run's checkpoints: %d stage(s)", why, highest + 1)
+    _write(folder, stages[: highest + 1])
+    return [s.model_dump(mode="json") for s in stages[: highest + 1]]
+
+
+def _trained(folder: RunFolder, stages: Sequence[StageConfig]) -> list[dict]:
+    try:
+        return read_json(folder.ledger, missing=[])
+    except CutShort as why:
+        return _rederived(folder, stages, why)
 
 
 def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
     """Refuse edits to stages that have already been trained on; allow appending new ones."""
-    trained = json.loads(folder.ledger.read_text()) if folder.ledger.exists() else []
+    trained = _trained(folder, stages)
     for i, recorded in enumerate(trained):
         if i >= len(stages):
             raise FatalError(
@@ -43,13 +92,8 @@ def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
 
 def record(folder: RunFolder, stages: Sequence[StageConfig], stage_index: int, remote: RemoteFolder | None) -> None:
     """Remember the specs of stages 0..stage_index once training of stage_index is about to start."""
-    path = folder.ledger
-    trained = json.loads(path.read_text()) if path.exists() else []
-    needed = [s.model_dump(mode="json") for s in stages[: stage_index + 1]]
-    if len(needed) > len(trained):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{path.name}")
-        tmp.write_text(json.dumps(needed, indent=1))
-        os.replace(tmp, path)
+    trained = _trained(folder, stages)
+    if stage_index + 1 > len(trained):
+        _write(folder, stages[: stage_index + 1])
         if remote is not None:
-            remote.push_file(path)
+            remote.push_file(folder.ledger)

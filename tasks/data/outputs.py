@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from tasks.data import interrupt
 from tasks.data.errors import DataError
+from trainers.format.atomic import atomic_write_json, fsync_path, fsync_tree
 
 DONE = "_DONE"
 PROVENANCE = "provenance.json"
@@ -89,12 +90,8 @@ def _clear_staging(out: str) -> None:
 
 
 def write_json(path: str, obj: object) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """A state file of an output (provenance, the done-marker): whole and on the disk when this returns."""
+    atomic_write_json(path, obj, indent=2, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -125,7 +122,11 @@ def staging(out: str, lease) -> Iterator[str]:
         with permanent_errors("cannot publish prepared data"):
             if os.path.exists(out):  # unfinished (no done-marker): what a killed run left
                 shutil.rmtree(out)
+            # The shards reach the disk before the done-marker names them, and the rename before it is
+            # written: after a power loss a `_DONE` never vouches for files still in the page cache.
+            fsync_tree(tmp)
             os.rename(tmp, out)
+            fsync_path(parent)
             _fault("renamed")
             write_json(os.path.join(out, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     finally:

@@ -1,21 +1,20 @@
 """The checkpoint contract between the trainer and whoever watches it (the flow, `tessera eval`).
 
 Composer writes `<save_folder>/<name>.pt`. Only after that file is complete does the
-trainer publish a manifest `<save_folder>/manifests/tok-<tokens>.json` (temp file +
-rename), so a watcher never sees a half-written checkpoint. The manifest is the
+trainer publish a manifest `<save_folder>/manifests/tok-<tokens>.json` (trainers/format/atomic.py:
+temp file, fsync, rename, folder fsync), so a watcher never sees a half-written checkpoint. The manifest is the
 done-marker: a `.pt` without one is treated as incomplete.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 from pydantic import BaseModel, Field
+
+from trainers.format.atomic import CutShort, atomic_write, fsync_path, read_json
 
 MANIFEST_DIR = "manifests"
 
@@ -39,14 +38,6 @@ def manifest_path(save_folder: str | Path, tokens: int) -> Path:
     return Path(save_folder) / MANIFEST_DIR / f"tok-{tokens:012d}.json"
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def file_sha256(path: str | Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -63,17 +54,10 @@ def publish(save_folder: str | Path, info: CheckpointInfo) -> CheckpointInfo:
     """
     if info.sha256 is None:  # the file was just written: read back from the page cache
         info = info.model_copy(update={"sha256": file_sha256(info.path)})
-    _fsync_path(Path(info.path))
-    _fsync_path(Path(info.path).parent)
-    target = manifest_path(save_folder, info.tokens)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(info.model_dump_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    _fsync_path(target.parent)
+    fsync_path(info.path)
+    fsync_path(Path(info.path).parent)
+    # Only now the manifest, itself fsynced and renamed in, its folder fsynced after (atomic_write).
+    atomic_write(manifest_path(save_folder, info.tokens), info.model_dump_json())
     return info
 
 
@@ -84,10 +68,16 @@ def list_complete(save_folder: str | Path) -> list[CheckpointInfo]:
         return []
     found = []
     for manifest in folder.glob("tok-*.json"):
-        try:  # a keep-last-K cleanup may delete a manifest between the glob and the read
-            info = CheckpointInfo.model_validate(json.loads(manifest.read_text()))
-        except FileNotFoundError:
+        try:
+            record = read_json(manifest)
+        except CutShort:
+            # Written before manifests were fsynced, then a power loss: its file counts as unpublished,
+            # so the next launch's repair (trainers/plan.py) re-derives this manifest if the file
+            # verifies, or discards a file that is cut short too. Never a reason to fail a watcher or a launch.
             continue
+        if record is None:  # a keep-last-K cleanup deleted it between the glob and the read
+            continue
+        info = CheckpointInfo.model_validate(record)
         if Path(info.path).is_file():
             found.append(info)
     # by value, not name: the zero padding stops helping past 10^12 tokens
