@@ -60,30 +60,33 @@ def _metadata(cfg: KubernetesConfig, work: Workload, name: str | None = None, qu
     }
 
 
+def _job_spec(work: Workload, container: str, pods: int, pod: dict) -> dict:
+    """An Indexed-or-not Job's spec: `pods` pods that all must succeed, none replaced one by one (a failed
+    rank fails the group; an evaluation is retried by its Prefect task), and the pod template."""
+    return {
+        "completions": pods,
+        "parallelism": pods,
+        "backoffLimit": 0,  # one failed pod fails the group: ranks of a collective cannot be replaced one by one
+        "podFailurePolicy": _pod_failure_policy(container),
+        "template": {"metadata": {"labels": dict(work.labels), "annotations": {ANNOTATION_RUN: work.run}}, "spec": pod},
+    }
+
+
 def _indexed_job_spec(
     cfg: KubernetesConfig, work: Workload, command: PodCommand, ranks_per_node: int, subdomain: str | None
 ) -> dict:
-    return {
-        "completionMode": "Indexed",
-        "completions": cfg.nodes,
-        "parallelism": cfg.nodes,
-        "backoffLimit": 0,  # one failed pod fails the group: ranks of a collective cannot be replaced one by one
-        "podFailurePolicy": _pod_failure_policy(TRAIN_CONTAINER),
-        "template": {
-            "metadata": {"labels": dict(work.labels), "annotations": {ANNOTATION_RUN: work.run}},
-            "spec": pod_spec(
-                cfg,
-                container=TRAIN_CONTAINER,
-                command=command,
-                gpus=cfg.gpus_per_node,
-                cpu=cfg.cpu,
-                memory=cfg.memory,
-                job_config_map=work.name,
-                subdomain=subdomain,
-                ports=[cfg.master_port],
-            ),
-        },
-    }
+    pod = pod_spec(
+        cfg,
+        container=TRAIN_CONTAINER,
+        command=command,
+        gpus=cfg.gpus_per_node,
+        cpu=cfg.cpu,
+        memory=cfg.memory,
+        job_config_map=work.name,
+        subdomain=subdomain,
+        ports=[cfg.master_port],
+    )
+    return {"completionMode": "Indexed", **_job_spec(work, TRAIN_CONTAINER, cfg.nodes, pod)}
 
 
 def _train_command(
@@ -188,27 +191,14 @@ def eval_job(
 ) -> dict:
     """One pod that scores one checkpoint; Prefect's task retries are its restarts."""
     command = PodCommand(["python", "-m", module, *args], env)
+    pod = pod_spec(
+        cfg, container=EVAL_CONTAINER, command=command, gpus=cfg.eval_gpus, cpu=cfg.eval_cpu, memory=cfg.eval_memory
+    )
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _metadata(cfg, work, queue=True),
-        "spec": {
-            "completions": 1,
-            "parallelism": 1,
-            "backoffLimit": 0,
-            "podFailurePolicy": _pod_failure_policy(EVAL_CONTAINER),
-            "template": {
-                "metadata": {"labels": dict(work.labels), "annotations": {ANNOTATION_RUN: work.run}},
-                "spec": pod_spec(
-                    cfg,
-                    container=EVAL_CONTAINER,
-                    command=command,
-                    gpus=cfg.eval_gpus,
-                    cpu=cfg.eval_cpu,
-                    memory=cfg.eval_memory,
-                ),
-            },
-        },
+        "spec": _job_spec(work, EVAL_CONTAINER, 1, pod),
     }
 
 

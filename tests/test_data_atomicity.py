@@ -5,23 +5,12 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tasks.data import outputs, pipeline, tokenizer
-from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov, read_tokens
-
-SCRIPT = """
-import sys
-from tasks.data.config import DataConfig
-from tasks.data import pipeline, tokenizer
-data = DataConfig.model_validate_json(open(sys.argv[1]).read())
-tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
-pipeline.prepare_source(data.sources[0], data, tok)
-"""
+from tests.test_data_helpers import SHAKESPEARE, expected_tokens, make_config, prov, read_tokens, spawn_prepare
 
 
 def _setup(tmp_path, copies: int):
@@ -38,16 +27,6 @@ def _setup(tmp_path, copies: int):
     return data, cfg, docs
 
 
-def _spawn(cfg, **env):
-    return subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(cfg)],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-
-
 def _finish_and_check(data, docs):
     tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
     res = pipeline.prepare_source(data.sources[0], data, tok)
@@ -62,10 +41,10 @@ def _finish_and_check(data, docs):
 @pytest.mark.slow  # a child interpreter importing the stack
 def test_sigkill_while_writing_leaves_no_output(tmp_path):
     data, cfg, docs = _setup(tmp_path, copies=1)
-    proc = _spawn(cfg)
+    proc = spawn_prepare(cfg)
     deadline = time.time() + 120
     while not glob.glob(os.path.join(data.root, ".s-*", "train")):  # the writer has started
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
         assert time.time() < deadline
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
@@ -80,8 +59,8 @@ def test_sigkill_while_writing_leaves_no_output(tmp_path):
 @pytest.mark.slow
 def test_killed_after_rename_before_done_marker_is_redone(tmp_path):
     data, cfg, docs = _setup(tmp_path, copies=1)
-    proc = _spawn(cfg, TESSERA_FAULT="renamed")
-    assert proc.wait(timeout=300) == 137, proc.stderr.read().decode()[-2000:]
+    proc = spawn_prepare(cfg, TESSERA_FAULT="renamed")
+    assert proc.wait(timeout=300) == 137, proc.stderr.read()[-2000:]
     (out,) = glob.glob(os.path.join(data.root, "s-*"))
     assert os.path.isfile(os.path.join(out, "provenance.json")) and not outputs.is_done(out)
     res = _finish_and_check(data, docs)

@@ -6,24 +6,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tasks.data import outputs, pipeline, tokenizer
-from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov
-
-SCRIPT = """
-import sys
-from tasks.data.config import DataConfig
-from tasks.data import pipeline, tokenizer
-data = DataConfig.model_validate_json(open(sys.argv[1]).read())
-tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
-res = pipeline.prepare_source(data.sources[0], data, tok)
-print("cached" if res.cached else "written")
-"""
+from tests.test_data_helpers import SHAKESPEARE, expected_tokens, make_config, prov, spawn_prepare
 
 
 def _setup(tmp_path, copies: int):
@@ -54,17 +42,6 @@ def _foreign_run(out: str, heartbeat_age_s: float) -> str:
     return staging
 
 
-def _spawn(cfg, **env):
-    return subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(cfg)],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def _check_output(data, out, docs):
     assert outputs.is_done(out)
     assert prov(out)["counts"]["train"]["tokens"] == expected_tokens(docs)
@@ -76,7 +53,7 @@ def test_two_prepares_of_one_output_and_a_live_run_on_another_host(tmp_path):
     data, cfg, docs, out = _setup(tmp_path, copies=3)
     foreign = _foreign_run(out, heartbeat_age_s=0)  # alive: its heartbeat is fresh
     env = {"TESSERA_LEASE_SECONDS": "6"}
-    a, b = _spawn(cfg, **env), _spawn(cfg, **env)
+    a, b = spawn_prepare(cfg, **env), spawn_prepare(cfg, **env)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3:  # the other host's run is live: nobody touches its work
         assert os.path.isfile(os.path.join(foreign, "train", "shard.00000.mds"))
@@ -101,7 +78,7 @@ def test_a_dead_hosts_stale_lease_is_taken_over_at_once(tmp_path):
     data, cfg, docs, out = _setup(tmp_path, copies=1)
     foreign = _foreign_run(out, heartbeat_age_s=3600)  # a host that died an hour ago
     t0 = time.monotonic()
-    p = _spawn(cfg)  # the default lease time (120 s): stale long since
+    p = spawn_prepare(cfg)  # the default lease time (120 s): stale long since
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stderr[-3000:]
     assert stdout.split()[-1] == "written" and time.monotonic() - t0 < 100

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -116,4 +118,29 @@ def tessera(*args: str, timeout: float = 300, **env: str):
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+# Prepares the first source of the DataConfig JSON at argv[1] in a process of its own, and says whether it
+# wrote the output or found it done: for the tests of concurrent and interrupted prepares.
+PREPARE_SCRIPT = """
+import sys
+from tasks.data.config import DataConfig
+from tasks.data import pipeline, tokenizer
+data = DataConfig.model_validate_json(open(sys.argv[1]).read())
+tok = tokenizer.resolve(data.tokenizer, data.root, data.sources, data.chunk_bytes)
+res = pipeline.prepare_source(data.sources[0], data, tok)
+print("cached" if res.cached else "written")
+"""
+
+
+def spawn_prepare(cfg, **env):
+    """`PREPARE_SCRIPT` on the config file `cfg` in a child process (text output, env on top of this one's)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", PREPARE_SCRIPT, str(cfg)],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )

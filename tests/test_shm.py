@@ -90,3 +90,25 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path):
         live.wait()
     clean_stale_streaming_shm()
     assert not _present(live_files)  # once its process is gone, the next launch clears them too
+
+
+def test_a_shared_memory_prefix_taken_meanwhile_is_looked_for_again(tmp_path, monkeypatch):
+    """Two launches starting together can both pick the same free prefix; the later create fails with
+    FileExistsError. The dataset looks again (and finds the next free one) instead of failing the launch."""
+    import streaming.base.shared.prefix as prefix
+
+    from tests.support.training import write_mds
+    from trainers.data import TokenSamples
+
+    real, raised = prefix.SharedMemory, []
+
+    def taken_once(name, create=True, size=0, auto_cleanup=True):
+        if create and name.endswith("_locals") and not raised:
+            raised.append(name)  # as if another process had just created this very name
+            raise FileExistsError(17, "File exists", f"/{name}")
+        return real(name, create, size, auto_cleanup)
+
+    monkeypatch.setattr(prefix, "SharedMemory", taken_once)
+    data = write_mds(tmp_path / "mds", n_samples=8, seq_len=16, vocab_size=64, seed=0)
+    dataset = TokenSamples(seq_len=16, local=str(data), batch_size=2)
+    assert len(raised) == 1 and len(dataset) == 8 and dataset[3]["input_ids"].shape == (16,)

@@ -362,10 +362,11 @@ def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> t
 def _data_args(job: TrainJob, stage: Stage) -> dict:
     """The Trainer's data: the stage's mixture, and the held-out batches scored before each checkpoint."""
     _, world_size = world()
+    train = build_stage_data(stage, job.train, world_size)
     # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
     due = checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END)
     evaluators = build_val_evaluators(job.val_streams, job.seq_len, job.train, world_size, due)
-    return {"train_dataloader": build_stage_data(stage, job.train, world_size), "eval_dataloader": evaluators or None}
+    return {"train_dataloader": train, "eval_dataloader": evaluators or None}
 
 
 def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.Module) -> dict:

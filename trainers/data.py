@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,9 @@ from trainers.contract import CACHE_DIR_ENV
 __all__ = ["build_stage_data", "build_val_evaluators", "cache_dir_for"]
 
 
+SHM_PREFIX_TRIES = 5
+
+
 class TokenSamples(StreamingDataset):
     """MDS samples with one `tokens` column of exactly seq_len ids, returned with their global sample index.
 
@@ -33,7 +37,17 @@ class TokenSamples(StreamingDataset):
     """
 
     def __init__(self, *, seq_len: int, **kwargs):
-        super().__init__(**kwargs)
+        # Streaming picks a free shared-memory prefix by looking at /dev/shm and then creates it: two
+        # launches on one machine starting together can pick the same one, and the later create fails
+        # with FileExistsError (`/000471_locals`). Looking again then finds it taken and picks the next.
+        for attempt in range(SHM_PREFIX_TRIES):
+            try:
+                super().__init__(**kwargs)
+                break
+            except FileExistsError:
+                if attempt == SHM_PREFIX_TRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
         self.seq_len = seq_len
 
     def get_item(self, sample_id: int, retry: int = 7) -> dict:
