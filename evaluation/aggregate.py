@@ -42,11 +42,12 @@ class GauntletScores:
 
 
 def benchmark_score(accuracy: float, baseline: float, subtract: bool, rescale: bool) -> float:
+    # no in-place arithmetic: evaluation/noise.py passes arrays of resampled accuracies, which must not change
     score = accuracy
     if subtract:
-        score -= baseline
+        score = score - baseline
         if rescale:
-            score /= 1.0 - baseline
+            score = score / (1.0 - baseline)
     return score
 
 

@@ -21,6 +21,9 @@ class TaskResult:
     categories: dict[str, float] = field(default_factory=dict)
     random_baseline: float | None = None
     score: float | None = None
+    # Each example's outcome, "1" right and "0" wrong, in scoring order, per category partition ("" when the
+    # task has none): what a paired comparison of two models on the same examples needs (evaluation/noise.py).
+    hits: dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -38,6 +41,9 @@ class GauntletReport:
     examples: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    # the gauntlet spec (GauntletSpec as JSON) the scores were aggregated with: a report read back from MLflow
+    # can then be compared example by example without the YAML it came from (evaluation/noise.py)
+    gauntlet: dict | None = None
 
     @property
     def headline(self) -> str:
@@ -138,8 +144,16 @@ class GauntletReport:
         return cls(**raw)
 
 
-def compare_markdown(a: GauntletReport, b: GauntletReport, name_a: str = "A", name_b: str = "B") -> str:
-    """Two reports side by side with per-task and per-category deltas (B - A)."""
+def compare_markdown(
+    a: GauntletReport,
+    b: GauntletReport,
+    name_a: str = "A",
+    name_b: str = "B",
+    intervals: dict[str, tuple[float, float]] | None = None,
+    confidence: float | None = None,
+) -> str:
+    """Two reports side by side with per-task and per-category deltas (B - A); `intervals` (by average or
+    category name, from evaluation/noise.py) add each delta's interval at `confidence`."""
 
     def fmt(x: float | None) -> str:
         return "" if x is None else f"{x:.4f}"
@@ -152,13 +166,23 @@ def compare_markdown(a: GauntletReport, b: GauntletReport, name_a: str = "A", na
         "",
         f"Headline average: {a.average:.4f} -> {b.average:.4f} ({b.average - a.average:+.4f})",
         "",
-        f"| average / category | {name_a} | {name_b} | delta |",
-        "|---|---:|---:|---:|",
     ]
+    shown = intervals is not None and confidence is not None
+    if shown:
+        lines += [
+            f"| average / category | {name_a} | {name_b} | delta | {confidence:.0%} interval of the delta |",
+            "|---|---:|---:|---:|---|",
+        ]
+    else:
+        lines += [f"| average / category | {name_a} | {name_b} | delta |", "|---|---:|---:|---:|"]
     for src in ("averages", "categories"):
         da, db = getattr(a, src), getattr(b, src)
         for k in list(dict.fromkeys([*da, *db])):
-            lines.append(f"| {k} | {fmt(da.get(k))} | {fmt(db.get(k))} | {delta(da.get(k), db.get(k))} |")
+            row = f"| {k} | {fmt(da.get(k))} | {fmt(db.get(k))} | {delta(da.get(k), db.get(k))} |"
+            if shown:
+                iv = intervals.get(k)
+                row += f" {iv[0]:+.4f} to {iv[1]:+.4f} |" if iv else " |"
+            lines.append(row)
     ta = {t.key: t for t in a.tasks}
     tb = {t.key: t for t in b.tasks}
     lines += ["", f"| task | {name_a} accuracy | {name_b} accuracy | delta | {name_a} score | {name_b} score | delta |"]

@@ -40,7 +40,8 @@ def score_split(
     split: PreparedSplit,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
-) -> tuple[float, Throughput]:
+) -> tuple[list[bool], Throughput]:
+    """Whether the model got each example of the split right, in the split's order."""
     pad = pad_id_of(tokenizer)
     if split.kind == "generation_task_with_answers":
         outputs, stats = generate_items(
@@ -59,7 +60,7 @@ def score_split(
         ]
     else:
         hits, stats = score_choice_items(model, split.choice_items, batch_size, pad, split.kind, on_batch=on_batch)
-    return (sum(hits) / len(hits) if hits else 0.0), stats
+    return [bool(h) for h in hits], stats
 
 
 def _find_files(tasks: list[TaskSpec], cfg: EvalConfig) -> tuple[dict[str, str], dict[str, str]]:
@@ -120,6 +121,7 @@ def run_tasks(
             parts = _partitions(task, loaded[task.label])
             for n in task.num_fewshot:
                 per_cat: dict[str, float] = {}
+                hits: dict[str, str] = {}
                 accs, count = [], 0
                 for cat, recs in parts.items():
                     split = prepare_split(
@@ -132,24 +134,41 @@ def run_tasks(
                         cfg.seed if task.fewshot_random_seed is None else task.fewshot_random_seed,
                         cat,
                     )
-                    acc, stats = score_split(
+                    correct, stats = score_split(
                         model, tokenizer, task, split, task.batch_size or cfg.batch_size, progress.advance
                     )
+                    acc = sum(correct) / len(correct) if correct else 0.0
+                    # every example's outcome, so two models scored on the same examples can be compared
+                    # example by example (evaluation/noise.py)
+                    hits[cat or ""] = "".join("1" if c else "0" for c in correct)
                     total.add(stats)
                     accs.append(acc)
                     count += len(split)
                     if cat is not None:
                         per_cat[cat] = acc
                 # The reference's benchmark score of a categorized task is the plain mean over categories.
-                results.append(TaskResult(task.label, n, task.icl_task_type, sum(accs) / len(accs), count, per_cat))
+                results.append(
+                    TaskResult(task.label, n, task.icl_task_type, sum(accs) / len(accs), count, per_cat, hits=hits)
+                )
                 log.info("%s/%d-shot: %.4f over %d examples", task.label, n, results[-1].accuracy, count)
     finally:
         progress.close()
         if was_training:
             model.train()
 
+    return assemble_report(results, spec, skipped, total)
+
+
+def assemble_report(
+    results: list[TaskResult],
+    spec: GauntletSpec | None,
+    skipped: dict[str, str] | None = None,
+    total: Throughput | None = None,
+) -> GauntletReport:
+    """The report of scored tasks: each benchmark's score, and the categories and averages of `spec`."""
+    total = total or Throughput()
     report = GauntletReport(
-        tasks=results, skipped=skipped, examples=total.examples, tokens=total.tokens, seconds=total.seconds
+        tasks=results, skipped=skipped or {}, examples=total.examples, tokens=total.tokens, seconds=total.seconds
     )
     if spec is not None:
         scores = aggregate(
@@ -170,4 +189,5 @@ def run_tasks(
         ]
         report.categories, report.averages, report.benchmarks = scores.categories, scores.averages, scores.benchmarks
         report.warnings = scores.warnings
+        report.gauntlet = spec.model_dump(mode="json")
     return report

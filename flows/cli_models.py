@@ -65,10 +65,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         compare_to=args.a,
         output_dir=out,
     )
-    print(
-        f"{args.a}: {outcome.baseline_average:.4f}  {args.b}: {outcome.average:.4f}  "
-        f"({outcome.average - outcome.baseline_average:+.4f})"
-    )
+    gain = outcome.average - outcome.baseline_average
+    noise = ""
+    if outcome.gain_interval is not None:
+        low, high = outcome.gain_interval
+        within = " within noise" if low <= 0 <= high else ""
+        noise = f", {outcome.confidence:.0%} interval {low:+.4f} to {high:+.4f}{within}"
+    print(f"{args.a}: {outcome.baseline_average:.4f}  {args.b}: {outcome.average:.4f}  ({gain:+.4f}{noise})")
     for path in outcome.files:
         print(f"wrote {path}")
     return 0
@@ -81,6 +84,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from tasks.promote import promote_by_hand
 
     recipe = load_recipe(args.recipe)
+    work_prefect_home(recipe.work_dir)  # the promotion lock is a Prefect concurrency limit
     ref = args.model.removeprefix("models:/")
     name, _, version = ref.rpartition("/")
     if not args.model.startswith("models:/") or not name or not version.isdigit():
@@ -115,7 +119,7 @@ def cmd_continue(args: argparse.Namespace) -> int:
             base=args.base,
             new_data=args.new_data,
             tokens=args.tokens,
-            run_name=args.run_name,
+            name_prefix=args.name_prefix,
             replay_fraction=args.replay_fraction,
             if_running=args.if_running,
         )

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
 from flows.recipe import form_input
-from tasks.score import score_model, write_reports
+from tasks.score import comparison_gains, score_model, write_reports
 
 
 class EvalParams(BaseModel):
@@ -56,6 +56,10 @@ class EvalOutcome(BaseModel):
     metrics: dict[str, float] = Field(..., description="icl/..., gauntlet/... metrics of `model`.")
     markdown: str = Field(..., description="The report table (and comparison, if any) as markdown.")
     baseline_average: float | None = Field(None, description="Headline score of `compare_to`.")
+    gain_interval: tuple[float, float] | None = Field(
+        None, description="Paired-bootstrap interval of the headline's gain over `compare_to` (evaluation/noise.py)."
+    )
+    confidence: float | None = Field(None, description="The interval's confidence.")
     files: list[str] = Field(default_factory=list, description="Report files written under output_dir.")
 
 
@@ -77,6 +81,8 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
     )
     report = score_model(params.model, cfg, params.tracking_uri)
     baseline = score_model(params.compare_to, cfg, params.tracking_uri) if params.compare_to else None
+    gains = comparison_gains(cfg, baseline, report) if baseline is not None else None
+    headline_gain = gains.of(report.headline) if gains is not None else None
     written = write_reports(
         report,
         baseline,
@@ -86,6 +92,7 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         params.tracking_uri,
         params.run_id,
         params.step,
+        gains,
     )
     create_markdown_artifact(markdown=written.markdown, description=f"tessera eval of {params.model}")
     print(written.markdown)
@@ -94,6 +101,8 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         metrics=report.metrics(),
         markdown=written.markdown,
         baseline_average=None if baseline is None else baseline.average,
+        gain_interval=None if headline_gain is None else (headline_gain.low, headline_gain.high),
+        confidence=None if gains is None else gains.confidence,
         files=written.files,
     )
 

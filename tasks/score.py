@@ -26,6 +26,22 @@ def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
     return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
 
 
+COMPARE_CONFIDENCE = 0.95
+
+
+def comparison_gains(cfg: EvalConfig, baseline, report):
+    """`report`'s gains over `baseline` with their paired-bootstrap intervals (evaluation/noise.py), or None
+    when the two cannot be paired example by example."""
+    from evaluation.noise import NotPaired, paired_gains
+    from evaluation.spec import load_gauntlet
+
+    spec = load_gauntlet(cfg.gauntlet) if cfg.gauntlet else None
+    try:
+        return paired_gains(spec, baseline, report, report.headline, confidence=COMPARE_CONFIDENCE)
+    except NotPaired:
+        return None
+
+
 @dataclass
 class Written:
     markdown: str
@@ -42,6 +58,7 @@ def write_reports(
     tracking_uri: str | None = None,
     run_id: str | None = None,
     step: int = 0,
+    gains=None,
 ) -> Written:
     """The markdown of `report` (and its comparison with `baseline`), its files under `output_dir`, and its
     metrics on MLflow run `run_id` when given."""
@@ -50,7 +67,11 @@ def write_reports(
 
     title = f"Eval gauntlet: {model}"
     markdown = report.to_markdown(title)
-    comparison = compare_markdown(baseline, report, compare_to, model) if baseline is not None else None
+    intervals = {k: (iv.low, iv.high) for k, iv in gains.gains.items()} if gains is not None else None
+    confidence = gains.confidence if gains is not None else None
+    comparison = (
+        compare_markdown(baseline, report, compare_to, model, intervals, confidence) if baseline is not None else None
+    )
     if comparison:
         markdown = f"{markdown}\n{comparison}"
     if run_id:
@@ -73,9 +94,9 @@ def write_reports(
 
             texts["comparison.md"] = comparison
             texts["comparison.html"] = render_comparison_html(
-                baseline, report, compare_to, model, f"{compare_to} vs {model}"
+                baseline, report, compare_to, model, f"{compare_to} vs {model}", None, intervals, confidence
             )
-            png = compare_png(baseline, report, compare_to, model)
+            png = compare_png(baseline, report, compare_to, model, intervals, confidence)
             if png is not None:
                 (out / "comparison.png").write_bytes(png)
                 written.files.append(str(out / "comparison.png"))

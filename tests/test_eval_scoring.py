@@ -39,8 +39,9 @@ def _score(model, tok, kind, rows, **task_fields):
     task = TaskSpec(label="t", dataset_uri="t.jsonl", num_fewshot=[0], icl_task_type=kind, **task_fields)
     records = validate_records(task, "t.jsonl", list(enumerate(rows, start=1)))
     split = prepare_split(task, "t.jsonl", records, tok, 0, 64, 1234)
-    acc, _ = score_split(model, tok, task, split, batch_size=4)
-    return acc, split
+    hits, _ = score_split(model, tok, task, split, batch_size=4)
+    assert len(hits) == len(split)
+    return sum(hits) / len(hits), split
 
 
 def test_language_modeling_needs_every_continuation_token_greedy(model, tok):
