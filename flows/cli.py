@@ -141,7 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     cont.add_argument("--new-data", required=True, help="Directory, glob or s3:// prefix of new text files.")
     cont.add_argument("--tokens", type=int, default=None, help="Token budget (default: one pass over the new data).")
     cont.add_argument("--replay-fraction", type=float, default=0.2, help="Share of the recipe's own sources (0.2).")
-    cont.add_argument("--run-name", default=None, help="Default: derived from the base version and the new files.")
+    cont.add_argument(
+        "--name-prefix",
+        "--run-name",
+        dest="name_prefix",
+        default=None,
+        help="Prefix of the run's name, which is always <prefix>-cpt-v<base version>-<digest of the new files>, so "
+        "each batch of new data is its own run and a retry resumes it (default prefix: the recipe's name).",
+    )
     cont.add_argument("--if-running", choices=["refuse", "wait"], default="refuse")
     cont.set_defaults(func=cmd_continue)
 
@@ -219,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT if ended[1] else EXIT_FAILED
     except bad_input_types() as exc:
         from tasks.mlflow_run import TrackingUnavailable
+        from tasks.promote import ChampionKeptMoving
+        from tasks.promote_lock import PromotionBusy
         from tasks.train import TrainingFailed, TrainingFatal
 
         print(f"tessera: error: {exc}", file=sys.stderr)
-        # A crash that outlived its retries, or a tracking server that went away mid-run, is not bad
-        # input: a rerun resumes from the last checkpoint.
-        transient = isinstance(exc, TrackingUnavailable) or (
+        # A crash that outlived its retries, a tracking server that went away mid-run, a promotion lock held
+        # elsewhere is not bad input: a rerun resumes from the last checkpoint, or promotes then.
+        transient = isinstance(exc, TrackingUnavailable | PromotionBusy | ChampionKeptMoving) or (
             isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal)
         )
         return EXIT_FAILED if transient else EXIT_BAD_INPUT

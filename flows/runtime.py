@@ -28,6 +28,9 @@ def quiet_environment() -> None:
     # The gauntlet's and the tracking retries' own log lines (progress, outages) belong in the run's log too.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "evaluation,tessera")
     os.environ.setdefault(*PREFECT_SERVER_OUTAGE)
+    # At exit Prefect's event queue warns "Still processing items" while it sends its last events (a
+    # concurrency slot released, a state set): its own bookkeeping, nothing a person can act on.
+    logging.getLogger("EventsWorker").setLevel(logging.ERROR)
 
 
 # A Prefect server that restarts (or is down a minute) must not fail a run that trains for days: every
@@ -43,10 +46,13 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
     from tasks.continuation import ContinuationError
     from tasks.data.errors import DataError
     from tasks.mlflow_run import TrackingError, TrackingUnavailable
+    from tasks.promote import ChampionKeptMoving
+    from tasks.promote_lock import PromotionBusy
     from tasks.run_slot import RunBusy
     from tasks.train import TrainingFailed
 
-    # TrainingFailed is here for its one-line message; only the fatal kind counts as bad input
+    # TrainingFailed, PromotionBusy and ChampionKeptMoving are here for their one-line messages; they are not bad
+    # input (flows/cli.py exits 1 for them)
     return (
         RecipeError,
         DataError,
@@ -56,6 +62,8 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
         GauntletError,
         RunBusy,
         ContinuationError,
+        PromotionBusy,
+        ChampionKeptMoving,
     )
 
 

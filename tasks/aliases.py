@@ -26,6 +26,9 @@ PREVIOUS_CHAMPION_ALIAS = "previous-champion"
 RECORD_TAG = "tessera.aliases"
 ALIAS_TAG_PREFIX = "tessera.alias."
 OUTSIDE = "outside tessera"
+# How far `best` stands from the runner-up, in words with its interval (tasks/register.py writes it as a
+# registered-model tag): `best` is the point estimate, and its description says when that is within noise.
+BEST_MARGIN_TAG = "tessera.best.margin"
 
 log = logging.getLogger("tessera.aliases")
 
@@ -33,12 +36,16 @@ log = logging.getLogger("tessera.aliases")
 # ------------------------------------------------------------------ descriptions
 
 
-def _alias_reason(alias: str, tags: dict[str, str], history: list[dict]) -> str:
+def _alias_reason(alias: str, tags: dict[str, str], history: list[dict], note: str | None = None) -> str:
     headline = tags.get("headline", "gauntlet_average")
     if alias == LATEST_ALIAS:
         return f"{alias}: the furthest checkpoint of run {tags.get('run', '?')}"
     if alias == BEST_ALIAS:
-        return f"{alias}: the highest {headline} among versions scored on gauntlet {tags.get('gauntlet_hash', '?')}"
+        margin = f" ({note})" if note else ""
+        return (
+            f"{alias}: the highest {headline} among versions scored on gauntlet {tags.get('gauntlet_hash', '?')}"
+            + margin
+        )
     why = why_of(alias, history, tags)
     if alias == CHAMPION_ALIAS:
         return f"{alias}: {why or 'set before promotion was recorded'}"
@@ -47,9 +54,13 @@ def _alias_reason(alias: str, tags: dict[str, str], history: list[dict]) -> str:
     return f"{alias}: {why}" if why else alias
 
 
-def describe(record: dict, aliases: list[str], history: list[dict] | None = None) -> str:
+def describe(
+    record: dict, aliases: list[str], history: list[dict] | None = None, notes: dict[str, str] | None = None
+) -> str:
     """What a version is, in words: run, stage, tokens, score, where it is stored, each alias it holds and why,
-    and the last decision it took part in. `record` is `version_record`'s dict, `history` `decision_history`'s."""
+    and the last decision it took part in. `record` is `version_record`'s dict, `history` `decision_history`'s,
+    `notes` what an alias's reason adds (the best version's margin over the runner-up)."""
+    notes = notes or {}
     history = history or []
     tags = {k: str(v) for k, v in record.items() if isinstance(v, str)}
     headline = record.get("headline", "gauntlet average")
@@ -68,7 +79,9 @@ def describe(record: dict, aliases: list[str], history: list[dict] | None = None
     if record.get("checkpoint"):
         lines.append(f"Training checkpoint (weights and optimizer state): {record['checkpoint']}.")
     if aliases:
-        lines.append("Aliases: " + "; ".join(_alias_reason(a, tags, history) for a in sorted(aliases)) + ".")
+        lines.append(
+            "Aliases: " + "; ".join(_alias_reason(a, tags, history, notes.get(a)) for a in sorted(aliases)) + "."
+        )
     if history:
         last = history[-1]
         text = str(last.get("text", last.get("kind", "?"))).rstrip(".")
@@ -88,7 +101,8 @@ def refresh_descriptions(client, name: str, versions: list[str] | None = None) -
     for mv in client.search_model_versions(f"name = '{name}'"):
         if wanted is None or str(mv.version) in wanted:
             record = version_record(client, name, mv.version)
-            text = describe(record, held.get(str(mv.version), []), decision_history(client, name, mv.version))
+            notes = {BEST_ALIAS: model.tags[BEST_MARGIN_TAG]} if BEST_MARGIN_TAG in model.tags else {}
+            text = describe(record, held.get(str(mv.version), []), decision_history(client, name, mv.version), notes)
             if text != (mv.description or ""):
                 client.update_model_version(name, mv.version, description=text)
 

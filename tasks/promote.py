@@ -3,10 +3,12 @@
 `champion` moves only here, and every decision is written onto the versions involved: MLflow
 keeps no history of alias moves (mlflow#2169), so each version's decision history is
 (tasks/version_record.py: one JSON file per decision, never rewritten, read by `decision_history`).
-- the tag `promotion`: accepted | rejected | bootstrap | manual | outside tessera, the latest
-  decision this version took part in, because people filter on it;
+- the tag `promotion`: the latest decision this version took part in, from its side, because people
+  filter on it: accepted | rejected (a challenger), defended | replaced (a champion), bootstrap,
+  manual, outside tessera;
 - each history entry: the verdict (`kind`), the version's `role`, `vs`, `summary`, `rule`,
-  `reasons`, `deltas` (headline and categories), `run`, and `why` for an alias it gave the version,
+  `reasons`, `deltas` (headline and categories) with their `intervals`, `confidence` and `examples`,
+  `run`, and `why` for an alias it gave the version,
   which the description repeats.
 A move of an alias made in MLflow's UI is found and recorded by `tasks.aliases.reconcile_aliases`.
 """
@@ -14,76 +16,27 @@ A move of an alias made in MLflow's UI is found and recorded by `tasks.aliases.r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
 
-from evaluation.compare import deltas
 from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
+from evaluation.spec import GauntletSpec
 from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for, resolved_uri, retrying
 from tasks.promote_config import PromoteConfig
+from tasks.promote_lock import promotion_lock
+from tasks.promote_rule import Decision, decide
 from tasks.score import score_model
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import append_decision, now
 
 log = logging.getLogger("tessera.promote")
-
-
-class Decision(BaseModel):
-    """One comparison of a challenger with the champion, and its verdict."""
-
-    accepted: bool
-    headline: str
-    champion_score: float
-    challenger_score: float
-    gain: float
-    category_deltas: dict[str, float]
-    rule: str
-    reasons: list[str]
-
-    @property
-    def worst(self) -> tuple[str, float] | None:
-        return min(self.category_deltas.items(), key=lambda kv: kv[1]) if self.category_deltas else None
-
-    def summary(self) -> str:
-        worst = self.worst
-        categories = f"worst category {worst[0]} {worst[1]:+.4f}" if worst else "no categories"
-        return (
-            f"{self.headline} {self.challenger_score:.4f} vs {self.champion_score:.4f} ({self.gain:+.4f}), {categories}"
-        )
-
-
-def decide(champion: GauntletReport, challenger: GauntletReport, rule: PromoteConfig) -> Decision:
-    """Apply the rule to two reports scored on the same gauntlet with the same code and seed."""
-    headline = rule.headline or champion.headline
-    a, b = champion.score_of(headline), challenger.score_of(headline)
-    if a is None or b is None:
-        raise ValueError(f"promote.headline: {headline!r} is not an average or category of this gauntlet")
-    categories = {d.name: d.delta for d in deltas(champion, challenger) if d.kind == "category" and d.delta is not None}
-    reasons = []
-    if b - a < rule.min_gain:
-        reasons.append(f"{headline} gained {b - a:+.4f}, less than promote.min_gain {rule.min_gain:+.4f}")
-    for name, delta in sorted(categories.items()):
-        if delta < -rule.max_category_drop:
-            reasons.append(
-                f"category {name} fell {delta:+.4f}, more than promote.max_category_drop {rule.max_category_drop:.4f}"
-            )
-    text = f"{headline} gain >= {rule.min_gain:+.4f} and no category below -{rule.max_category_drop:.4f}"
-    return Decision(
-        accepted=not reasons,
-        headline=headline,
-        champion_score=a,
-        challenger_score=b,
-        gain=b - a,
-        category_deltas=categories,
-        rule=text,
-        reasons=reasons,
-    )
 
 
 def _today() -> str:
@@ -107,6 +60,7 @@ def record_decision(client, name: str, champion: str, challenger: str, decision:
     _catch_up(client, name, f"run {run_name}")
     day = _today()
     verdict = "accepted" if decision.accepted else "rejected"
+    lost_or_kept = "replaced" if decision.accepted else "defended"  # the champion's side of the same verdict
     why = "; ".join(decision.reasons) or "every condition of the rule held"
     deltas = {decision.headline: decision.gain, **{f"category.{k}": v for k, v in decision.category_deltas.items()}}
     common = {
@@ -118,6 +72,13 @@ def record_decision(client, name: str, champion: str, challenger: str, decision:
         "champion_score": decision.champion_score,
         "challenger_score": decision.challenger_score,
         "deltas": deltas,
+        # the noise the verdict was decided against: intervals of the gains, over this many examples
+        "confidence": decision.confidence,
+        "examples": decision.examples,
+        "intervals": {
+            decision.headline: decision.gain_interval,
+            **{f"category.{k}": v for k, v in decision.category_intervals.items()},
+        },
     }
     as_challenger = {
         **common,
@@ -129,7 +90,7 @@ def record_decision(client, name: str, champion: str, challenger: str, decision:
         **common,
         "role": "champion",
         "vs": f"v{challenger} (challenger)",
-        "text": f"champion vs v{challenger}: {verdict}: {decision.summary()}; {why}",
+        "text": f"champion vs v{challenger}: {lost_or_kept}: {decision.summary()}; {why}",
     }
     if decision.accepted:
         worst = decision.worst
@@ -141,7 +102,7 @@ def record_decision(client, name: str, champion: str, challenger: str, decision:
         }
         as_champion["why"] = {PREVIOUS_CHAMPION_ALIAS: f"champion until {day}, replaced by v{challenger}"}
     _record(client, name, challenger, verdict, as_challenger)
-    _record(client, name, champion, verdict, as_champion)
+    _record(client, name, champion, lost_or_kept, as_champion)
     if decision.accepted:  # rewrites both descriptions too
         set_aliases(client, name, {CHAMPION_ALIAS: challenger, PREVIOUS_CHAMPION_ALIAS: champion}, f"run {run_name}")
     else:
@@ -160,6 +121,11 @@ def champion_version(client, name: str) -> str | None:
 
 def bootstrap(client, name: str, version: str, run_name: str) -> bool:
     """Make `version` the first champion when the model has none; False when one exists."""
+    with promotion_lock(name, f"run {run_name}"):
+        return _bootstrap(client, name, version, run_name)
+
+
+def _bootstrap(client, name: str, version: str, run_name: str) -> bool:
     _catch_up(client, name, f"run {run_name}")
     if champion_version(client, name) is not None:
         return False
@@ -187,6 +153,11 @@ def bootstrap(client, name: str, version: str, run_name: str) -> bool:
 
 def promote_by_hand(client, name: str, version: str, note: str) -> str | None:
     """`tessera promote models:/NAME/N`: move `champion` to N, recorded like a decision; returns the old champion."""
+    with promotion_lock(name, "tessera promote"):
+        return _promote_by_hand(client, name, version, note)
+
+
+def _promote_by_hand(client, name: str, version: str, note: str) -> str | None:
     _catch_up(client, name, "tessera promote")
     old = champion_version(client, name)
     if old == str(version):
@@ -226,6 +197,80 @@ def promote_by_hand(client, name: str, version: str, note: str) -> str | None:
     return old
 
 
+@dataclass(frozen=True)
+class Contest:
+    """A decided comparison: against which champion, the verdict, and both reports."""
+
+    champion: str
+    decision: Decision
+    champion_report: GauntletReport
+    challenger_report: GauntletReport
+
+
+class ChampionKeptMoving(RuntimeError):
+    """The champion changed during every scoring round; str() is one line."""
+
+
+# Scoring takes minutes to hours; a champion moved during it is scored and decided against again. This many
+# moves during one promotion means someone is promoting in a loop: stop rather than chase it.
+DECIDE_ROUNDS = 3
+
+
+def contest(
+    client,
+    name: str,
+    challenger: str,
+    score: Callable[[str], GauntletReport],
+    rule: PromoteConfig,
+    spec: GauntletSpec | None,
+    run_name: str,
+) -> Contest | None:
+    """Decide `challenger` against the champion as it is when the decision is recorded; None without a champion.
+
+    Scoring runs outside the promotion lock (it is long); inside it the champion is read again, and only
+    if it is still the one scored is the decision recorded and `champion` moved. Otherwise the new
+    champion is scored and the challenger decided against it: a promotion made meanwhile (by hand, by
+    another run) is never reverted, and `previous-champion` only ever names a version that was champion.
+    """
+    reports: dict[str, GauntletReport] = {}
+
+    def report(version: str) -> GauntletReport:
+        if version not in reports:
+            reports[version] = score(version)
+        return reports[version]
+
+    scored = champion_version(client, name)
+    for _ in range(DECIDE_ROUNDS):
+        if scored is None or scored == challenger:
+            return None
+        report(scored), report(challenger)
+        with promotion_lock(name, f"run {run_name}"):
+            now_champion = champion_version(client, name)
+            if now_champion == scored:
+                decision = decide(reports[scored], reports[challenger], rule, spec)
+                record_decision(client, name, scored, challenger, decision, run_name)
+                return Contest(
+                    champion=scored,
+                    decision=decision,
+                    champion_report=reports[scored],
+                    challenger_report=reports[challenger],
+                )
+        log.warning(
+            "%s: champion moved from v%s to v%s while run %s was scored; deciding v%s against v%s instead",
+            name,
+            scored,
+            now_champion,
+            run_name,
+            challenger,
+            now_champion,
+        )
+        scored = now_champion
+    raise ChampionKeptMoving(
+        f"run {run_name}: {name}'s champion moved {DECIDE_ROUNDS} times while v{challenger} was being scored; "
+        "nothing decided, champion left where it is"
+    )
+
+
 @task(cache_policy=NO_CACHE)
 def promote_challenger(
     eval_cfg: EvalConfig,
@@ -239,28 +284,33 @@ def promote_challenger(
     """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
     from evaluation.compare import render_comparison_html
     from evaluation.report import compare_markdown
+    from evaluation.spec import load_gauntlet
 
     logger = get_run_logger()
     name = tracking.registered_model
     client = client_for(tracking)
-    champion = champion_version(client, name)
-    if champion is None or champion == str(challenger):
-        return None, int(champion) if champion else None
     cfg = eval_cfg.model_copy(update={"strict": True, "max_seq_len": eval_cfg.max_seq_len or max_seq_len})
     uri = resolved_uri(tracking.tracking_uri)
-    a = score_model.with_options(task_run_name=f"score-champion-v{champion}")(f"models:/{name}/{champion}", cfg, uri)
-    b = score_model.with_options(task_run_name=f"score-challenger-v{challenger}")(
-        f"models:/{name}/{challenger}", cfg, uri
-    )
-    decision = decide(a, b, rule)
-    record_decision(client, name, champion, str(challenger), decision, run_name)
+    spec = load_gauntlet(cfg.gauntlet) if cfg.gauntlet else None
+
+    def score(version: str) -> GauntletReport:
+        role = "challenger" if version == str(challenger) else "champion"
+        return score_model.with_options(task_run_name=f"score-{role}-v{version}")(f"models:/{name}/{version}", cfg, uri)
+
+    result = contest(client, name, str(challenger), score, rule, spec, run_name)
+    if result is None:
+        champion = champion_version(client, name)
+        return None, int(champion) if champion else None
+    decision, champion = result.decision, result.champion
+    a, b = result.champion_report, result.challenger_report
     verdict = (
         f"{'ACCEPTED' if decision.accepted else 'REJECTED'}: v{challenger} vs champion v{champion}: "
         f"{decision.summary()}; rule: {decision.rule}"
         + (f"; {'; '.join(decision.reasons)}" if decision.reasons else "")
     )
+    intervals = decision_intervals(decision)
     markdown = f"# Promotion of {name} v{challenger}\n\n**{verdict}**\n\n" + compare_markdown(
-        a, b, f"champion v{champion}", f"challenger v{challenger}"
+        a, b, f"champion v{champion}", f"challenger v{challenger}", intervals, decision.confidence
     )
     html = render_comparison_html(
         a,
@@ -269,6 +319,8 @@ def promote_challenger(
         f"challenger v{challenger}",
         f"{name}: champion v{champion} vs challenger v{challenger}",
         verdict,
+        intervals,
+        decision.confidence,
     )
     create_markdown_artifact(
         key=artifact_key(run_name, "promotion"),
@@ -285,3 +337,11 @@ def promote_challenger(
     )
     logger.info(verdict)
     return decision, int(champion_version(client, name) or 0) or None
+
+
+def decision_intervals(decision: Decision) -> dict[str, tuple[float, float]]:
+    """The decision's gain intervals by score name (headline and categories), for the comparison report."""
+    out = dict(decision.category_intervals)
+    if decision.gain_interval is not None:
+        out[decision.headline] = decision.gain_interval
+    return out

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from tasks.aliases import (  # noqa: F401 - the alias names are part of this module's interface
     BEST_ALIAS,
+    BEST_MARGIN_TAG,
     CHAMPION_ALIAS,
     LATEST_ALIAS,
     PREVIOUS_CHAMPION_ALIAS,
@@ -88,11 +89,62 @@ def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
     latest = max(own, key=lambda v: int(v.tags.get("tokens", -1)))
     gauntlet = latest.tags.get("gauntlet_hash")
     scored = [v for v in versions if "gauntlet_average" in v.tags and v.tags.get("gauntlet_hash") == gauntlet]
-    # ties go to the later checkpoint: same score for more training is the better default
-    best = max(scored, key=lambda v: (float(v.tags["gauntlet_average"]), int(v.tags.get("tokens", -1))))
+    best = max(scored, key=_rank)
     run = client.get_run(run_id).data.tags.get(RUN_NAME_TAG, run_id)
+    margin = best_margin(client, scored, best)
+    model_tags = client.get_registered_model(name).tags
+    renote = margin != model_tags.get(BEST_MARGIN_TAG)
+    if renote and margin is None:
+        client.delete_registered_model_tag(name, BEST_MARGIN_TAG)
+    elif renote:
+        client.set_registered_model_tag(name, BEST_MARGIN_TAG, margin)
+    held_before = str(client.get_registered_model(name).aliases.get(BEST_ALIAS))
     set_aliases(client, name, {LATEST_ALIAS: latest.version, BEST_ALIAS: best.version}, observer=f"run {run}")
+    if renote and held_before == str(best.version):  # best did not move, so set_aliases left its description
+        refresh_descriptions(client, name, [str(best.version)])
     return int(latest.version), int(best.version)
+
+
+def _rank(version) -> tuple[float, int]:
+    # ties go to the later checkpoint: same score for more training is the better default
+    return float(version.tags["gauntlet_average"]), int(version.tags.get("tokens", -1))
+
+
+def _report_of(client, version):
+    """The gauntlet report the version was registered with (its run's eval/gauntlet-tok-<tokens>.json), or None."""
+    from evaluation.report import GauntletReport
+
+    path = f"eval/gauntlet-tok-{int(version.tags.get('tokens', -1)):012d}.json"
+    try:
+        with tempfile.TemporaryDirectory(prefix="tessera-report-") as tmp:
+            return GauntletReport.from_json(Path(client.download_artifacts(version.run_id, path, tmp)).read_text())
+    except Exception:  # noqa: BLE001 - a version registered by hand, or before reports kept their examples
+        return None
+
+
+def best_margin(client, scored: list, best) -> str | None:
+    """How `best` stands against the runner-up, paired example by example on their gauntlet reports:
+    "within noise of v5, the runner-up: core_average +0.0120 (95% interval -0.0200 to +0.0440) over 373
+    examples", or "clear of ..."; None when there is no runner-up or the two cannot be paired."""
+    from evaluation.noise import NotPaired, paired_gains
+
+    others = [v for v in scored if str(v.version) != str(best.version)]
+    if not others:
+        return None
+    runner = max(others, key=_rank)
+    a, b = _report_of(client, runner), _report_of(client, best)
+    if a is None or b is None:
+        return None
+    try:
+        gains = paired_gains(None, a, b, b.headline)
+    except NotPaired:
+        return None
+    iv = gains.of(b.headline)
+    where = "within noise of" if iv.low <= 0 else "clear of"
+    return (
+        f"{where} v{runner.version}, the runner-up: {b.headline} {iv.text(gains.confidence)} over "
+        f"{gains.examples} examples"
+    )
 
 
 def best_of_run(client, name: str, run_id: str) -> str | None:

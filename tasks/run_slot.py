@@ -1,7 +1,8 @@
 """The run-name slot: one live pipeline per run name, through Prefect's global concurrency limits.
 
-(The other two exclusions: an output's claim, tasks/data/claim.py; the save folder's lock,
-trainers/folder_lock.py, which also covers trainers started outside Prefect.)
+(The other exclusions: an output's claim, tasks/data/claim.py; the save folder's lock,
+trainers/folder_lock.py, which also covers trainers started outside Prefect; the promotion lock,
+tasks/promote_lock.py.)
 
 Runs start from clicks and schedules: a double click, or a schedule firing while someone's manual
 run of the same name trains, must never put two trainers into one save folder. The flow takes the
@@ -79,7 +80,8 @@ def ensure_names_lock() -> None:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=NAMES_LOCK, limit=1))
 
 
-def _ensure_limit(name: str) -> None:
+def ensure_limit(name: str) -> None:
+    """Create the one-slot global concurrency limit `name` unless the server has it (creations serialized)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.concurrency.sync import concurrency
@@ -195,7 +197,7 @@ def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_i
     from prefect.concurrency.sync import concurrency
 
     name = limit_name(run_name)
-    _ensure_limit(name)
+    ensure_limit(name)
     holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run_id) if flow_run_id else None
 
     def slot(timeout_s: float):
