@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.outcome import form_values, run_or_end
-from flows.pipeline import PipelineResult, RunTarget, run_pipeline
+from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline
 from flows.prepare import prepare_sources
 from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
@@ -34,16 +34,17 @@ from tasks.promote import Decision, champion_version, promote_challenger
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
 
 
-class ContinueParams(RunTarget):
+class ContinueParams(RecipeTarget):
     """A continued-pretraining run: the recipe the model was trained with and where the new files are. Every
-    field left empty keeps its default."""
+    field left empty keeps its default. The run's name is derived, never given: see Run name prefix."""
 
-    run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
+    name_prefix: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
         None,
         pattern=NAME_PATTERN,
-        title="Run name",
-        description="Names the continued run (its checkpoints, MLflow run and versions). Empty: derived from the "
-        "base version and the new files, <recipe>-cpt-v<N>-<digest>, so a retry of the same continuation resumes.",
+        title="Run name prefix",
+        description="The continued run is always named <prefix>-cpt-v<N>-<digest>: N the base version, the digest "
+        "that of the new files. So every week's new data is a run of its own, and a retry of the same continuation "
+        "resumes it. Empty: the recipe's name.",
     )
 
     new_data: str = Field(
@@ -113,15 +114,58 @@ def _per_step(recipe: Recipe) -> int:
     return recipe.train.global_batch_size * recipe.data.seq_len
 
 
+def _prefix(params: dict) -> str:
+    return str(params.get("name_prefix") or Path(str(params.get("recipe", "tessera"))).stem)
+
+
 def _flow_run_name() -> str:
+    """`<prefix>-cpt` until the run's name is derived; then the flow run is renamed after it."""
     from prefect.runtime import flow_run
 
     params = flow_run.parameters.get("params")
     params = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
-    return str(params.get("run_name") or f"continue-{Path(str(params.get('recipe', 'tessera'))).stem}")
+    return f"{_prefix(params)}-cpt"
 
 
-@flow(name="continued_pretraining", flow_run_name=_flow_run_name, log_prints=True, validate_parameters=False)
+def _rename_flow_run(name: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    if flow_run.id:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+
+
+def _record_end(flow, flow_run_, state) -> None:
+    """on_crashed / on_cancellation: mark the continued run's MLflow run, as pretrain_pipeline's hook does.
+
+    The run name was derived inside the flow; the flow run carries it as its `run:<name>` tag once it has
+    started the run, and before that no MLflow run was opened.
+    """
+    from prefect.client.orchestration import get_client
+
+    from flows.outcome import REFUSED
+
+    if state.name == REFUSED:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            tags = client.read_flow_run(flow_run_.id).tags
+        run_name = next((t.removeprefix("run:") for t in tags if t.startswith("run:")), None)
+        recipe = load_recipe(dict(flow_run_.parameters["params"])["recipe"])
+    except Exception:  # noqa: BLE001 - nothing the hook can do; the flow run's own state says what happened
+        return
+    if run_name:
+        record_flow_run_end(flow_run_, state, recipe.tracking, run_name)
+
+
+@flow(
+    name="continued_pretraining",
+    flow_run_name=_flow_run_name,
+    log_prints=True,
+    validate_parameters=False,
+    on_crashed=[_record_end],
+    on_cancellation=[_record_end],
+)
 def continued_pretraining(params: ContinueParams) -> ContinueResult:
     """Continue pretraining the champion on data that arrived since the last run; promote it only if better."""
     prepare_process()
@@ -146,8 +190,9 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
             description=f"Continued pretraining of {name}",
         )
         champion = champion_version(client_for(recipe.tracking), name)
+        _rename_flow_run(f"{_prefix(params.model_dump())}-cpt-no-new-data")
         return ContinueResult(
-            run_name=params.run_name or "",
+            run_name="",
             base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
             new_files=0,
             trained=False,
@@ -156,7 +201,8 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     base_mv = continuation.base_version(recipe.tracking, params.base)
     name, version = base_mv.name, str(base_mv.version)
     base_uri = f"models:/{name}/{version}"
-    run_name = params.run_name or continuation.default_run_name(recipe.name, version, fresh)
+    run_name = continuation.run_name(params.name_prefix or recipe.name, version, fresh)
+    _rename_flow_run(run_name)
     logger.info(
         "continuing %s (run %s) on %d new file(s) of %d under %s",
         base_uri,
@@ -239,7 +285,10 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         )
     # Only now do the files count as consumed: a run that failed before here trains on them again.
     consumed_files.record(
-        continued.tracking, result.mlflow_run_id, [f.model_copy(update={"run": run_name}) for f in fresh]
+        continued.tracking,
+        result.mlflow_run_id,
+        [f.model_copy(update={"run": run_name}) for f in fresh],
+        str(flow_run.id) if flow_run.id else None,
     )
     return ContinueResult(
         run_name=run_name,

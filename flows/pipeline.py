@@ -54,8 +54,8 @@ RUN_NAME_HELP = (
 )
 
 
-class RunTarget(BaseModel):
-    """The first two fields of every training form: which recipe, and which run of it."""
+class RecipeTarget(BaseModel):
+    """The first field of every training form: which recipe."""
 
     recipe: str = Field(
         ...,
@@ -63,6 +63,11 @@ class RunTarget(BaseModel):
         description="Path to the recipe YAML, e.g. configs/tiny.yaml (relative paths resolve against the worker's "
         "directory).",
     )
+
+
+class RunTarget(RecipeTarget):
+    """The first two fields of a training form: which recipe, and which run of it."""
+
     run_name: Annotated[str | None, *form_input({"type": "string", "pattern": NAME_PATTERN})] = Field(
         None, pattern=NAME_PATTERN, title="Run name", description=RUN_NAME_HELP
     )
@@ -152,24 +157,32 @@ def _record_end(flow, flow_run, state) -> None:
     Prefect's runner calls this from outside the dead flow process, so it rebuilds what it needs
     from the flow run's parameters.
     """
-    import logging
-
-    logger = logging.getLogger("tessera.pipeline")
     if state.name == REFUSED:  # the MLflow run is the live holder's: it is not this flow run's to close
         return
     try:
-        params = PipelineParams.model_validate(flow_run.parameters["params"])
-        recipe, run_name = _resolve(params)
-        run = find_run(recipe.tracking, run_name)
+        recipe, run_name = _resolve(PipelineParams.model_validate(flow_run.parameters["params"]))
+    except Exception:  # noqa: BLE001 - a recipe that does not load opened no MLflow run
+        return
+    record_flow_run_end(flow_run, state, recipe.tracking, run_name)
+
+
+def record_flow_run_end(flow_run, state, tracking, run_name: str) -> None:
+    """Close run `run_name`'s MLflow run KILLED (a cancel) or FAILED (a crash) if this flow run holds it."""
+    import logging
+
+    try:
+        run = find_run(tracking, run_name)
         # A later flow run of the same run name may have taken the MLflow run over meanwhile (the worker runs
         # this hook seconds after a cancel, when a rerun can already be training): never end that one.
         if run is None or run.data.tags.get("tessera.prefect.flow_run_id") not in (None, str(flow_run.id)):
             return
         status = "KILLED" if state.is_cancelled() or state.is_cancelling() else "FAILED"
         note = f"Prefect flow run {flow_run.name!r} ({flow_run.id}) {state.name}: {state.message or ''}".strip()
-        close_run.fn(recipe.tracking, run.info.run_id, status, note)
+        close_run.fn(tracking, run.info.run_id, status, note)
     except Exception:  # noqa: BLE001 - a hook must never turn one failure into two
-        logger.warning("could not record the end of flow run %s in MLflow", flow_run.id, exc_info=True)
+        logging.getLogger("tessera.pipeline").warning(
+            "could not record the end of flow run %s in MLflow", flow_run.id, exc_info=True
+        )
 
 
 # When the run is already failing, waiting out a long tracking outage only delays the real error.

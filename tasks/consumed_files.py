@@ -2,10 +2,12 @@
 
 (Not to be confused with trainers/trained_stages.py, the stages a run has trained on.)
 
-Each finished continued run logs `ledger/consumed.json` (the files it trained on, with their size
-and mtime or S3 ETag) and is tagged `tessera.continues_model=<registered model>`. The ledger of a
-model is the union over those runs: a file is new when no finished run consumed it with the
-same fingerprint, so an edited file counts as new data.
+Append-only: each finished continued flow run logs one record, `ledger/consumed-<flow run id>.json`
+(the files it trained on, with their size and mtime or S3 ETag), onto its MLflow run, tagged
+`tessera.continues_model=<registered model>`. No record is ever rewritten: the files a model has
+consumed are the union of every record on every such run, whatever the run's status (a later
+failed attempt under the same run name must not hide an earlier record). A file is new when no
+record holds it with the same fingerprint, so an edited file counts as new data.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tasks.data import storage
 from tasks.data.errors import DataError
 from tasks.tracking_config import TrackingConfig
 
-LEDGER_ARTIFACT = "ledger/consumed.json"
+LEDGER_ARTIFACT = "ledger/consumed.json"  # the folder; records are consumed-<flow run id>.json
 MODEL_TAG = "tessera.continues_model"
 
 
@@ -81,27 +83,38 @@ def _client(tracking: TrackingConfig):
     return client_for(tracking)
 
 
+def _records(client, run_id: str) -> list[str]:
+    """The run's ledger records: consumed-*.json (and consumed.json, written before records were per flow run)."""
+    folder = str(Path(LEDGER_ARTIFACT).parent)
+    return sorted(
+        f.path
+        for f in client.list_artifacts(run_id, folder)
+        if not f.is_dir and Path(f.path).name.startswith("consumed") and f.path.endswith(".json")
+    )
+
+
 def consumed(tracking: TrackingConfig, registered_model: str) -> tuple[list[Consumed], str | None]:
-    """(every file consumed by a finished continued run of the model, the name of the latest such run)."""
+    """(every file any continued run of the model recorded as consumed, the name of the latest such run)."""
     client = _client(tracking)
     experiment = client.get_experiment_by_name(tracking.experiment)
     if experiment is None:
         return [], None
     runs = client.search_runs(
         [experiment.experiment_id],
-        filter_string=f"tags.`{MODEL_TAG}` = '{registered_model}' and attributes.status = 'FINISHED'",
+        filter_string=f"tags.`{MODEL_TAG}` = '{registered_model}'",
         order_by=["attributes.start_time DESC"],
         max_results=1000,
     )
     out: list[Consumed] = []
+    latest = None
     for run in runs:
-        with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
-            try:
-                local = client.download_artifacts(run.info.run_id, LEDGER_ARTIFACT, tmp)
-            except Exception:  # noqa: BLE001 - a finished run that trained nothing has no ledger
-                continue
-            out += [Consumed.model_validate(entry) for entry in json.loads(Path(local).read_text())]
-    latest = next((r.data.tags.get("tessera.run_name", r.info.run_name) for r in runs), None)
+        records = _records(client, run.info.run_id)
+        if records and latest is None:
+            latest = run.data.tags.get("tessera.run_name", run.info.run_name)
+        for record in records:
+            with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
+                local = client.download_artifacts(run.info.run_id, record, tmp)
+                out += [Consumed.model_validate(entry) for entry in json.loads(Path(local).read_text())]
     return out, latest
 
 
@@ -110,14 +123,19 @@ def new_inputs(inputs: list[Consumed], seen: list[Consumed]) -> list[Consumed]:
     return [c for c in inputs if c.key not in done]
 
 
-def record(tracking: TrackingConfig, run_id: str, files: list[Consumed]) -> None:
-    """Log this run's consumed files; called only once the run has trained and registered them."""
+def record(tracking: TrackingConfig, run_id: str, files: list[Consumed], flow_run_id: str | None) -> str:
+    """Log one flow run's consumed files as a record of its own; called only once the run has trained and
+    registered them. Returns the record's artifact path. Never overwrites a record: the name is the flow
+    run's (a retry of one flow run writes the same files again) or, outside Prefect, a fresh one."""
+    import uuid
+
     from tasks.mlflow_run import retrying
 
     client = _client(tracking)
+    name = f"consumed-{flow_run_id or uuid.uuid4().hex}.json"
+    folder = str(Path(LEDGER_ARTIFACT).parent)
     with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
-        path = Path(tmp) / Path(LEDGER_ARTIFACT).name
+        path = Path(tmp) / name
         path.write_text(json.dumps([f.model_dump() for f in files], indent=1))
-        retrying(
-            "logging the data ledger", lambda: client.log_artifact(run_id, str(path), str(Path(LEDGER_ARTIFACT).parent))
-        )
+        retrying("logging the data ledger", lambda: client.log_artifact(run_id, str(path), folder))
+    return f"{folder}/{name}"

@@ -56,10 +56,12 @@ def pinned_tokenizer(data: DataConfig, tracking: TrackingConfig, base_run_id: st
     return {**raw, "path": path, "train": None}
 
 
-def default_run_name(recipe_name: str, version: str, files: list[Consumed]) -> str:
-    """Deterministic from the base and the new files: a retry or rerun of the same continuation resumes it."""
+def run_name(prefix: str, version: str, files: list[Consumed]) -> str:
+    """`<prefix>-cpt-v<version>-<digest of the new files>`, never a name the user fixes: one fixed name reused
+    every week would make week 2's stage spec identical to week 1's (nothing trained, or a refused edit of a
+    trained stage). Deterministic, so a retry or rerun of the same continuation resumes it."""
     digest = hashlib.sha256("\n".join(f"{p}|{s}|{v}" for p, s, v in sorted(f.key for f in files)).encode())
-    return f"{recipe_name}-cpt-v{version}-{digest.hexdigest()[:8]}"
+    return f"{prefix}-cpt-v{version}-{digest.hexdigest()[:8]}"
 
 
 def derive(
