@@ -99,3 +99,19 @@ def bigram_nll(vocab_size: int, strength: float, preferred: bool) -> float:
     """Cross-entropy of one token under a bigram row: the closed form tests compare against."""
     log_z = math.log(math.exp(strength) + vocab_size - 1)
     return log_z - (strength if preferred else 0.0)
+
+
+def fitted_bigram(tokenizer: Any, texts: Iterable[str], alpha: float = 0.1) -> BigramLM:
+    """A bigram LM trained on `texts`: logits = log P(next | token), add-`alpha` smoothed counts of the
+    consecutive token pairs in the texts (each text tokenized on its own)."""
+    vocab = tokenizer.get_vocab()
+    counts = torch.zeros(len(vocab), len(vocab))
+    for text in texts:
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        if len(ids) > 1:
+            counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
+    model = BigramLM(BigramConfig(vocab_size=len(vocab), pad_token_id=tokenizer.pad_token_id))
+    with torch.no_grad():
+        smoothed = counts + alpha
+        model.table.copy_(torch.log(smoothed / smoothed.sum(dim=1, keepdim=True)))
+    return model.eval()
