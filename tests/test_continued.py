@@ -99,6 +99,10 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     assert champion.run_id == base.mlflow_run_id and champion.tags["promotion"] == "bootstrap"
     assert "(bootstrap)" in champion.description
     first_champion = str(champion.version)
+    # best is the point estimate, and its description says how far it stands from the runner-up
+    best = client.get_model_version_by_alias(name, "best")
+    assert "the runner-up: core_average " in best.description and " over 381 examples" in best.description
+    assert ("within noise of v" in best.description) != ("clear of v" in best.description)
 
     new = tmp / "incoming"
     a = _new_text(new, "a.txt", slice(0, 400))

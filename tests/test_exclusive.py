@@ -16,7 +16,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from flows.outcome import REFUSED, run_or_end
-from tasks.run_slot import RunBusy, _ensure_limit, holder_tag, limit_name, one_per_run, run_tag
+from tasks.run_slot import RunBusy, ensure_limit, holder_tag, limit_name, one_per_run, run_tag
 
 
 @flow(name="hold-run-name")
@@ -46,7 +46,7 @@ def run_held(name: str, hold_s: float = 0.0):
 
 def test_a_slot_no_live_flow_run_holds_is_reclaimed_and_the_run_goes_ahead(prefect_harness):
     name = f"orphan-{uuid.uuid4().hex[:8]}"
-    _ensure_limit(limit_name(name))
+    ensure_limit(limit_name(name))
     with get_client(sync_client=True) as client:  # what a lost lease leaves: a slot counted, no holder
         client.increment_concurrency_slots(names=[limit_name(name)], slots=1, mode="concurrency")
     assert slots(name) == 1
