@@ -42,9 +42,10 @@ class ContinueParams(RecipeTarget):
         None,
         pattern=NAME_PATTERN,
         title="Run name prefix",
-        description="The continued run is always named <prefix>-cpt-v<N>-<digest>: N the base version, the digest "
-        "that of the new files. So every week's new data is a run of its own, and a retry of the same continuation "
-        "resumes it. Empty: the recipe's name.",
+        # backticks: the UI renders descriptions as markdown, where a bare <prefix> is an HTML tag and vanishes
+        description="The continued run is always named `PREFIX-cpt-vN-DIGEST`: PREFIX this field, N the base "
+        "version, DIGEST that of the new files. So every week's new data is a run of its own, and a retry of the same "
+        "continuation resumes it. Empty: the recipe's name.",
     )
 
     new_data: str = Field(
@@ -85,12 +86,15 @@ class ContinueParams(RecipeTarget):
     )
     schedule: Literal["cosine", "linear"] = Field("cosine", description="Decay after the rewarm, to min_lr_ratio.")
     min_gain: Annotated[float | None, *form_input({"type": "number"})] = Field(
-        None, description="The headline gain promotion needs. Empty: the recipe's promote.min_gain."
+        None,
+        description="The lower bound of the headline gain's interval must be above this (a gain within noise never "
+        "promotes). Empty: the recipe's promote.min_gain.",
     )
     max_category_drop: Annotated[float | None, *form_input({"type": "number", "minimum": 0})] = Field(
         None,
         ge=0,
-        description="The largest drop a category may take, 0 or more. Empty: the recipe's promote.max_category_drop.",
+        description="No category may fall significantly further than this, 0 or more. Empty: the recipe's "
+        "promote.max_category_drop.",
     )
     if_running: Literal["refuse", "wait"] = Field(
         "refuse",

@@ -118,6 +118,13 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     one = continued_pretraining(accept)
     assert one.trained and one.new_files == 1 and one.decision is not None and one.decision.accepted
     assert one.run_name.startswith(f"weekly-cpt-v{first_champion}-")
+    # the flow run was renamed after the run it derived (it started as weekly-cpt)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as prefect:
+        named = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[one.run_name])))
+    assert [r.state.type.value for r in named] == ["COMPLETED"]
     # measured intervals: the gain's interval holds the gain, over every example of the gauntlet
     low, high = one.decision.gain_interval
     assert low <= one.decision.gain <= high and one.decision.examples > 0
