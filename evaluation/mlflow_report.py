@@ -30,6 +30,12 @@ def _history(client, run_id: str, names: list[str]) -> dict[str, list[tuple[int,
     return out
 
 
+def report_paths(step: int) -> LoggedReport:
+    """Where the report of the checkpoint at `step` tokens is logged in its run's artifacts."""
+    tag = f"tok-{step:012d}"
+    return LoggedReport(f"eval/table-{tag}.json", f"eval/gauntlet-{tag}.json", f"eval/report-{tag}.html")
+
+
 def log_report(
     tracking_uri: str, run_id: str, report: GauntletReport, step: int, title: str, timestamp_ms: int | None = None
 ) -> LoggedReport:
@@ -47,10 +53,9 @@ def log_report(
     for i in range(0, len(metrics), 500):  # MLflow caps a batch at 1000 entries
         client.log_batch(run_id, metrics=metrics[i : i + 500])
 
-    tag = f"tok-{step:012d}"
     rows = report.table_rows()
     table = {k: [r[k] for r in rows] for k in ("task", "shots", "type", "examples", "accuracy", "baseline", "score")}
-    paths = LoggedReport(f"eval/table-{tag}.json", f"eval/gauntlet-{tag}.json", f"eval/report-{tag}.html")
+    paths = report_paths(step)
     client.log_table(run_id, data=table, artifact_file=paths.table)
     client.log_text(run_id, report.to_json(), paths.json)
 

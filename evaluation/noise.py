@@ -78,9 +78,9 @@ def _resampled_accuracy(pairs: list[tuple[str, str]], rng: np.random.Generator, 
         n = len(x)
         if n == 0:
             continue
-        cells = np.zeros(4)  # 0: both wrong, 1: only b right, 2: only a right, 3: both right
-        for i, j in zip(x, y, strict=True):
-            cells[(i == "1") * 2 + (j == "1")] += 1
+        # cell of each example: 0 both wrong, 1 only b right, 2 only a right, 3 both right
+        pair = 2 * (np.frombuffer(x.encode(), np.uint8) == ord("1")) + (np.frombuffer(y.encode(), np.uint8) == ord("1"))
+        cells = np.bincount(pair, minlength=4)
         counts = rng.multinomial(n, cells / n, size=resamples)
         acc_a += (counts[:, 2] + counts[:, 3]) / n
         acc_b += (counts[:, 1] + counts[:, 3]) / n

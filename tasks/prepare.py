@@ -26,18 +26,12 @@ from tasks.retry import retry_unless
 # parameters because Prefect records parameters and a callable is not data.
 PROGRESS: dict[str, Callable[[int, int], None]] = {}
 
-# Bad input fails the same way every time; only retry what might be transient (I/O, S3).
-_retry_unless_bad_input = retry_unless(DataError)
+# Bad input fails the same way every time; only retry what might be transient (I/O, S3). `_DONE` is the one
+# cache (a Prefect result cache would skip a task whose output was deleted since).
+_RETRIED = dict(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless(DataError))
 
 
-@task(
-    name="prepare-tokenizer",
-    task_run_name="prepare-tokenizer",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=_retry_unless_bad_input,
-)
+@task(name="prepare-tokenizer", task_run_name="prepare-tokenizer", **_RETRIED)
 def prepare_tokenizer(cfg: TokenizerConfig, root: str, sources: list[SourceConfig], chunk_bytes: int) -> TokenizerInfo:
     """Load the configured tokenizer or train one on the sources; saved under <root>/tokenizer-<hash>."""
     info = tokenizers_.resolve(cfg, root, sources, chunk_bytes)
@@ -47,14 +41,7 @@ def prepare_tokenizer(cfg: TokenizerConfig, root: str, sources: list[SourceConfi
     return info
 
 
-@task(
-    name="plan-sources",
-    task_run_name="plan-sources",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=_retry_unless_bad_input,
-)
+@task(name="plan-sources", task_run_name="plan-sources", **_RETRIED)
 def plan_sources(data: DataConfig, tok: TokenizerInfo) -> list[pipeline.Plan]:
     """Each source's inputs (S3 listed, files stat'ed) and output, once for the whole prepare; starts what
     the sources still to prepare will need while the first is set up."""
@@ -73,14 +60,7 @@ def plan_sources(data: DataConfig, tok: TokenizerInfo) -> list[pipeline.Plan]:
     return plans
 
 
-@task(
-    name="prepare-source",
-    task_run_name="prepare-{plan.source.name}",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=_retry_unless_bad_input,
-)
+@task(name="prepare-source", task_run_name="prepare-{plan.source.name}", **_RETRIED)
 def prepare_source(plan: pipeline.Plan, data: DataConfig, tok: TokenizerInfo) -> PreparedSource:
     """Tokenize, pack and write one planned source to <root>/<source>-<hash>, or reuse the finished output."""
     result = pipeline.prepare_planned(plan, data, tok, progress=PROGRESS.get(plan.source.name))

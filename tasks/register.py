@@ -92,13 +92,13 @@ def _move_aliases(client, name: str, run_id: str) -> tuple[int, int]:
     best = max(scored, key=_rank)
     run = client.get_run(run_id).data.tags.get(RUN_NAME_TAG, run_id)
     margin = best_margin(client, scored, best)
-    model_tags = client.get_registered_model(name).tags
-    renote = margin != model_tags.get(BEST_MARGIN_TAG)
+    model = client.get_registered_model(name)
+    renote = margin != model.tags.get(BEST_MARGIN_TAG)
     if renote and margin is None:
         client.delete_registered_model_tag(name, BEST_MARGIN_TAG)
     elif renote:
         client.set_registered_model_tag(name, BEST_MARGIN_TAG, margin)
-    held_before = str(client.get_registered_model(name).aliases.get(BEST_ALIAS))
+    held_before = str(model.aliases.get(BEST_ALIAS))
     set_aliases(client, name, {LATEST_ALIAS: latest.version, BEST_ALIAS: best.version}, observer=f"run {run}")
     if renote and held_before == str(best.version):  # best did not move, so set_aliases left its description
         refresh_descriptions(client, name, [str(best.version)])
@@ -111,10 +111,11 @@ def _rank(version) -> tuple[float, int]:
 
 
 def _report_of(client, version):
-    """The gauntlet report the version was registered with (its run's eval/gauntlet-tok-<tokens>.json), or None."""
+    """The gauntlet report the version was registered with (logged in its run by log_report), or None."""
+    from evaluation.mlflow_report import report_paths
     from evaluation.report import GauntletReport
 
-    path = f"eval/gauntlet-tok-{int(version.tags.get('tokens', -1)):012d}.json"
+    path = report_paths(int(version.tags.get("tokens", -1))).json
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-report-") as tmp:
             return GauntletReport.from_json(Path(client.download_artifacts(version.run_id, path, tmp)).read_text())

@@ -449,12 +449,12 @@ def test_tessera_promote_waits_for_the_promotion_lock(registry, tmp_path):
 
 
 def test_best_says_when_it_is_within_noise_of_the_runner_up(registry):
+    from evaluation.mlflow_report import report_paths
     from tasks.register import best_margin
 
     for version, hits in (("1", BASE), ("2", NOISY), ("3", BETTER)):
         mv = registry.get_model_version("m", version)
-        path = f"eval/gauntlet-tok-{int(mv.tags['tokens']):012d}.json"
-        registry.log_text(mv.run_id, _report(**hits).to_json(), path)
+        registry.log_text(mv.run_id, _report(**hits).to_json(), report_paths(int(mv.tags["tokens"])).json)
     v1, v2, v3 = (registry.get_model_version("m", v) for v in "123")
     near = best_margin(registry, [v1, v2], v2)
     assert near.startswith("within noise of v1, the runner-up: core_average +0.0150 (95% interval -")
