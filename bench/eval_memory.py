@@ -40,8 +40,8 @@ HWM = "int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).g
 
 LOAD = {
     "full": "import torch; s = torch.load(sys.argv[1], map_location='cpu', weights_only=False); "
-    "from trainers.format.export import load_hf; import trainers.format.export as e; "
-    "e.torch.load = lambda *a, **k: s; m, t = load_hf(sys.argv[1])",
+    "from trainers.format.export import load_hf; from trainers.format import safe_load; "
+    "safe_load.load = lambda *a, **k: s; m, t = load_hf(sys.argv[1])",
     "mmap": "from trainers.format.export import load_hf; m, t = load_hf(sys.argv[1])",
 }
 

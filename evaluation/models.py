@@ -45,11 +45,14 @@ def _from_hf_dir(path: Path, source: str) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), source)
 
 
-def _from_composer(path: str) -> LoadedModel:
+def _from_composer(path: str, trust: bool) -> LoadedModel:
     from trainers.format.export import load_hf
+    from trainers.format.safe_load import UnsafeCheckpoint
 
     try:
-        model, tokenizer = load_hf(path)
+        model, tokenizer = load_hf(path, trust=trust)
+    except UnsafeCheckpoint as exc:
+        raise GauntletError(str(exc)) from None
     except (KeyError, TypeError) as exc:
         raise GauntletError(f"{path}: not a Composer HuggingFaceModel checkpoint (no HF config inside)") from exc
     if tokenizer is None:
@@ -110,8 +113,14 @@ def check_checkpoint(path: str, sha256: str | None, shown: str | None = None) ->
         raise GauntletError(f"{shown or path}: damaged checkpoint, not evaluated: {why}")
 
 
-def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:
-    """Load M for scoring on CPU (or wherever the caller later moves it)."""
+def load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
+    """Load M for scoring on CPU (or wherever the caller later moves it).
+
+    Nothing M names runs code while it loads: a Composer checkpoint goes through the weights-only
+    unpickler (refused in one line unless `trust`), HF directories and MLflow models through
+    transformers, which reads safetensors, or `.bin` files weights-only, and never runs a
+    directory's own code (no trust_remote_code).
+    """
     if spec.startswith("models:/") or spec.startswith("runs:/"):
         return _from_mlflow(spec, tracking_uri)
     path = Path(spec)
@@ -122,5 +131,5 @@ def load_model(spec: str, tracking_uri: str | None = None) -> LoadedModel:
             raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
         return _from_hf_dir(path, spec)
     if path.is_file():
-        return _from_composer(spec)
+        return _from_composer(spec, trust)
     raise GauntletError(f"{spec}: no such checkpoint file, HF model directory or MLflow model URI")

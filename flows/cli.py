@@ -92,6 +92,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         return exc.code
 
 
+TRUST_HELP = (
+    "Load Composer checkpoints even if they need more than tensors and plain values to unpickle, which can run "
+    "code they carry. Without it such a file is refused in one line. Only for files you made or trust."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="LLM pretraining pipeline on Prefect.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--compare-to", default=None, help="A second model; the report shows per-task deltas.")
     ev.add_argument("--output-dir", default=None, help="Write report.md/.json/.html here.")
     ev.add_argument("--work-dir", default=".tessera", help="Where Prefect keeps its local database.")
+    ev.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     ev.set_defaults(func=cmd_eval)
 
     cont = sub.add_parser("continue", help="Continue pretraining a registered model on new data; promote if better.")
@@ -163,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("b", help="Candidate, same forms; deltas are b - a.")
     cmp_.add_argument("--recipe", default="configs/tiny.yaml", help="Recipe whose eval and tracking sections apply.")
     cmp_.add_argument("--output-dir", default=None, help="Default: <work_dir>/compare/<a>-vs-<b>.")
+    cmp_.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     cmp_.set_defaults(func=cmd_compare)
 
     dep = sub.add_parser("deploy", help="Publish prefect.yaml's deployments to the Prefect server in PREFECT_API_URL.")

@@ -29,6 +29,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tracking_uri=args.tracking_uri,
         compare_to=args.compare_to,
         output_dir=args.output_dir,
+        trust_checkpoint=args.trust_checkpoint,
     )
     print(
         f"average: {outcome.average:.4f}"
@@ -64,6 +65,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         tracking_uri=resolved_uri(recipe.tracking.tracking_uri),
         compare_to=args.a,
         output_dir=out,
+        trust_checkpoint=args.trust_checkpoint,
     )
     gain = outcome.average - outcome.baseline_average
     noise = ""

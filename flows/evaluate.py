@@ -49,6 +49,12 @@ class EvalParams(BaseModel):
         None, description="Also log metrics, table and reports to this MLflow run (needs tracking_uri)."
     )
     step: int = Field(0, ge=0, description="MLflow step for those metrics: the model's training tokens.")
+    trust_checkpoint: bool = Field(
+        False,
+        title="Trust the checkpoint files",
+        description="Load a Composer checkpoint even if it needs more than tensors and plain values to unpickle, "
+        "which can run code it carries. Off: such a file is refused in one line. Only for files you made or trust.",
+    )
 
 
 class EvalOutcome(BaseModel):
@@ -79,8 +85,9 @@ def eval_flow(params: EvalParams) -> EvalOutcome:
         seed=params.seed,
         strict=params.strict,
     )
-    report = score_model(params.model, cfg, params.tracking_uri)
-    baseline = score_model(params.compare_to, cfg, params.tracking_uri) if params.compare_to else None
+    trust = params.trust_checkpoint
+    report = score_model(params.model, cfg, params.tracking_uri, trust=trust)
+    baseline = score_model(params.compare_to, cfg, params.tracking_uri, trust=trust) if params.compare_to else None
     gains = comparison_gains(cfg, baseline, report) if baseline is not None else None
     headline_gain = gains.of(report.headline) if gains is not None else None
     written = write_reports(
@@ -122,6 +129,7 @@ def eval_command(
     output_dir: str | None = None,
     run_id: str | None = None,
     step: int = 0,
+    trust_checkpoint: bool = False,
 ) -> EvalOutcome:
     """What `tessera eval` calls. Raises evaluation.GauntletError (one line) on bad input."""
     params = EvalParams(
@@ -138,5 +146,6 @@ def eval_command(
         output_dir=output_dir,
         run_id=run_id,
         step=step,
+        trust_checkpoint=trust_checkpoint,
     )
     return eval_flow(params)

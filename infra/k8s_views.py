@@ -68,7 +68,7 @@ def run_status(kube: Kube, run: str) -> str:
     """One line per live object tessera created for `run` in the namespace, groups first."""
     selector = selector_string({LABEL_NAME: "tessera", LABEL_RUN: label_value(run)})
     rows = [("KIND", "NAME", "COMPONENT", "STAGE", "ATTEMPT", "STATE", "CREATED")]
-    for kind in ("JobSet", "Job", "Pod", "Service", "ConfigMap"):
+    for kind in ("JobSet", "Job", "Pod", "Service", "ConfigMap", "NetworkPolicy"):
         for obj in sorted(kube.list(kind, selector), key=lambda o: o["metadata"]["name"]):
             labels = obj["metadata"].get("labels") or {}
             rows.append(

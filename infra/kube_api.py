@@ -60,6 +60,7 @@ class Kube:
         self.core = client.CoreV1Api(self.api)
         self.batch = client.BatchV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.networking = client.NetworkingV1Api(self.api)
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class Kube:
             return self._custom("create", obj)
         fn = {
             "ConfigMap": self.core.create_namespaced_config_map,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
             "Service": self.core.create_namespaced_service,
             "Job": self.batch.create_namespaced_job,
         }[kind]
@@ -98,6 +100,7 @@ class Kube:
                 return self._custom("get", name)
             fn = {
                 "ConfigMap": self.core.read_namespaced_config_map,
+                "NetworkPolicy": self.networking.read_namespaced_network_policy,
                 "Service": self.core.read_namespaced_service,
                 "Job": self.batch.read_namespaced_job,
             }[kind]
@@ -115,6 +118,7 @@ class Kube:
                 return
             fn = {
                 "ConfigMap": self.core.delete_namespaced_config_map,
+                "NetworkPolicy": self.networking.delete_namespaced_network_policy,
                 "Service": self.core.delete_namespaced_service,
                 "Job": self.batch.delete_namespaced_job,
             }[kind]
@@ -128,6 +132,7 @@ class Kube:
             return self._custom("list", label_selector=selector, field_selector=field_selector).get("items", [])
         fn = {
             "ConfigMap": self.core.list_namespaced_config_map,
+            "NetworkPolicy": self.networking.list_namespaced_network_policy,
             "Service": self.core.list_namespaced_service,
             "Job": self.batch.list_namespaced_job,
             "Pod": self.core.list_namespaced_pod,

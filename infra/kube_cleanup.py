@@ -47,6 +47,6 @@ def delete_for_recreate(kube: Kube, kind: str, name: str, wait_s: float, stop: t
 
 def delete_ended_group(kube: Kube, kind: str, name: str, wait_s: float) -> None:
     """Delete an ended group and the objects created beside it (same name), waiting until it is gone."""
-    for each in (kind, "Service", "ConfigMap"):
+    for each in (kind, "Service", "ConfigMap", "NetworkPolicy"):
         kube.delete(each, name)
     _wait_gone(kube, kind, name, time.monotonic() + wait_s)

@@ -97,6 +97,22 @@ def _train_command(
     )
 
 
+def network_policy(cfg: KubernetesConfig, work: Workload) -> dict:
+    """Only the group's own pods may reach its pods: rank 0's rendezvous store, and the ranks' collectives.
+
+    The store (trainers/rendezvous.py) hands out the launch's start plan and the collectives carry
+    the weights; nothing else in the cluster needs to reach a training pod. Enforced by the
+    cluster's network plugin (Calico, Cilium, ...); one without NetworkPolicy support ignores it.
+    """
+    group = {"matchLabels": work.selector(with_attempt=True)}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(cfg, work),
+        "spec": {"podSelector": group, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": group}]}]},
+    }
+
+
 def job_config_map(cfg: KubernetesConfig, work: Workload, job_json: str) -> dict:
     """The trainer's job file, mounted read-only at JOB_DIR/JOB_FILE in every pod of the group."""
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cfg, work), "data": {JOB_FILE: job_json}}
@@ -225,8 +241,10 @@ def stage_manifests(
     job_json: str,
     env: Mapping[str, str] = {},
 ) -> list[dict]:
-    """Every object of one training launch, in creation order."""
+    """Every object of one training launch, in creation order: the policy first, so no pod is ever reachable
+    from outside its group, the group last."""
     config_map = job_config_map(cfg, work, pod_job_file(job_json, cfg))
+    fenced = [network_policy(cfg, work), config_map]
     if cfg.api == "jobset":
-        return [config_map, jobset(cfg, work, ranks_per_node, module, args, env)]
-    return [config_map, headless_service(cfg, work), indexed_job(cfg, work, ranks_per_node, module, args, env)]
+        return [*fenced, jobset(cfg, work, ranks_per_node, module, args, env)]
+    return [*fenced, headless_service(cfg, work), indexed_job(cfg, work, ranks_per_node, module, args, env)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from infra.config import KubernetesConfig
 from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
-from trainers.contract import MASTER_ADDR_ENV
+from trainers.contract import MASTER_ADDR_ENV, STORE_BIND_ENV
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 # Where things are inside a pod. CODE_DIR is the image's WORKDIR (infra/Dockerfile).
@@ -104,8 +104,11 @@ def pod_spec(
     subdomain: str | None = None,
     ports: Sequence[int] = (),
 ) -> dict:
-    """A pod that runs `command` as a non-root user with nothing it does not need."""
+    """A pod that runs `command` as a non-root user with nothing it does not need. A pod with `ports` hosts its
+    group's rendezvous: its store listens on the pod's own IP only (trainers/rendezvous.py)."""
     env, env_from = _env(cfg, command.env)
+    if ports:
+        env.append({"name": STORE_BIND_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": WORK_DIR}]
     volumes: list[dict] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm_size}},

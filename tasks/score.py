@@ -17,12 +17,12 @@ from evaluation.config import EvalConfig
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score-{model}")
-def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None):
-    """Load and score one model; returns an evaluation.GauntletReport."""
+def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None, *, trust: bool = False):
+    """Load and score one model; returns an evaluation.GauntletReport. `trust`: see evaluation.models.load_model."""
     from evaluation.models import load_model
     from evaluation.runner import run_gauntlet
 
-    loaded = load_model(model, tracking_uri)
+    loaded = load_model(model, tracking_uri, trust=trust)
     return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
 
 

@@ -311,3 +311,85 @@ def test_bad_input_is_not_retried():
     assert not retry_unless_bad_input(None, None, full)
     assert not register_checkpoint.retry_condition_fn(None, None, full)
     assert register_checkpoint.retry_condition_fn(None, None, Failed(data=ConnectionResetError("mlflow went away")))
+
+
+class _OpensAFile:
+    """A pickled value that creates a file when it is unpickled: what a checkpoint from a stranger can carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _with_payload(checkpoint: Path, out: Path, marker: Path) -> Path:
+    """`checkpoint` with one more metadata value whose unpickling creates `marker`: weights and tokenizer intact."""
+    from trainers.format.safe_load import load
+
+    state = load(checkpoint)
+    state["state"]["metadata"]["note"] = _OpensAFile(marker)
+    torch.save(state, out)
+    return out
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_by_eval_compare_the_flow_and_the_pod(
+    prefect_harness, composer_checkpoint, small_gauntlet, tmp_path, capsys
+):
+    """`tessera eval`, `tessera compare`, the eval deployment's flow and the evaluation pod read a user's file with
+    the weights-only unpickler: one line naming the file and what it needs, and the payload never runs."""
+    import yaml
+
+    from evaluation.__main__ import EXIT_FATAL
+    from evaluation.__main__ import main as pod_main
+    from flows.cli import main
+    from flows.evaluate import EvalParams, eval_flow
+    from tests.conftest import tiny_recipe
+
+    path, _, _ = composer_checkpoint
+    marker = tmp_path / "payload-ran"
+    evil = _with_payload(path, tmp_path / "evil.pt", marker)
+    torch.load(evil, map_location="cpu", weights_only=False)  # what a plain load does: the payload runs
+    assert marker.exists()
+    marker.unlink()
+    refused = (
+        f"{evil}: refused to load: unpickling it needs `io.open`, which can run code when loaded; pass "
+        "--trust-checkpoint only for a file you made or trust (a checkpoint tessera wrote never needs it)"
+    )
+    gauntlet = ["--tasks", small_gauntlet.tasks, "--data-root", small_gauntlet.data_root]
+
+    def said() -> list[str]:
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return [line for line in err.splitlines() if line.startswith("tessera: error: ")]
+
+    capsys.readouterr()
+    assert main(["eval", "--model", str(evil), *gauntlet, "--work-dir", str(tmp_path / "w")]) == 2
+    assert said() == [f"tessera: error: {refused}"]
+
+    recipe = tiny_recipe(tmp_path)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["eval"] |= {
+        "tasks": small_gauntlet.tasks,
+        "gauntlet": small_gauntlet.gauntlet,
+        "data_root": small_gauntlet.data_root,
+    }
+    recipe.write_text(yaml.safe_dump(raw))
+    assert main(["compare", str(path), str(evil), "--recipe", str(recipe)]) == 2
+    assert said() == [f"tessera: error: {refused}"]
+
+    with pytest.raises(GauntletError) as flow_error:
+        eval_flow(EvalParams(model=str(evil), tasks=small_gauntlet.tasks, data_root=small_gauntlet.data_root))
+    assert str(flow_error.value) == refused
+
+    capsys.readouterr()
+    pod = ["--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--run-id", "run", "--step", "4096"]
+    assert pod_main(["--checkpoint", str(evil), *gauntlet, *pod]) == EXIT_FATAL
+    assert capsys.readouterr().err.strip() == f"tessera.eval: bad input: {refused}"
+    assert not marker.exists()
+
+    # the explicit opt-in loads it (and so runs what it carries), and scores the same weights
+    out = tmp_path / "trusted"
+    assert main(["eval", "--model", str(evil), *gauntlet, "--trust-checkpoint", "--output-dir", str(out)]) == 0
+    assert marker.exists()
+    assert (out / "report.json").is_file()

@@ -37,12 +37,14 @@ def test_render_prints_valid_manifests_of_the_stage(tmp_path, capsys):
     assert main(["k8s", "render", recipe, "--stage", "1", "--attempt", "2"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("NetworkPolicy", "tessera-tiny-s1-a2"),
         ("ConfigMap", "tessera-tiny-s1-a2"),
         ("JobSet", "tessera-tiny-s1-a2"),
     ]
-    assert docs[1]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    assert json.loads(docs[0]["data"]["job.json"])["save_folder"] == "/var/tessera/work/checkpoints"
-    kubernetes_validate.validate(docs[0], kubernetes_validate.latest_version(), strict=True)
+    assert docs[2]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert json.loads(docs[1]["data"]["job.json"])["save_folder"] == "/var/tessera/work/checkpoints"
+    for doc in docs[:2]:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     assert main(["k8s", "render", recipe, "--stage", "7"]) == 2
     assert "--stage: 7 is not a stage of" in capsys.readouterr().err
 
@@ -65,7 +67,7 @@ def test_status_lists_the_live_objects_of_a_run(tmp_path, monkeypatch, capsys):
         out = capsys.readouterr().out.splitlines()
         assert out[0].split() == ["KIND", "NAME", "COMPONENT", "STAGE", "ATTEMPT", "STATE", "CREATED"]
         assert out[1].split()[:6] == ["JobSet", "tessera-tiny-s0-a0", "train", "0", "0", "Running"]
-        assert [line.split()[0] for line in out[1:]] == ["JobSet", "Pod", "Pod", "ConfigMap"]
+        assert [line.split()[0] for line in out[1:]] == ["JobSet", "Pod", "Pod", "ConfigMap", "NetworkPolicy"]
         assert "Running" in out[2]
         job.cancel(grace_s=1)
         assert main(["k8s", "status", "tiny", "--namespace", "training"]) == 0

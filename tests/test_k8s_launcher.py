@@ -106,8 +106,14 @@ def test_success_streams_pod0_and_deletes_everything(api, tmp_path):
     assert _end(job, api) == "tessera.k8s: JobSet tessera-tiny-s0-a0 completed"
     assert ("JobSet", "tessera-tiny-s0-a0", "Foreground") in c.deletes
     assert ("ConfigMap", "tessera-tiny-s0-a0", "Foreground") in c.deletes
-    # the ConfigMap carried the job file to the pods, with the pod's own checkpoint folder
-    assert c.creates == [("ConfigMap", "tessera-tiny-s0-a0"), ("JobSet", "tessera-tiny-s0-a0")]
+    assert ("NetworkPolicy", "tessera-tiny-s0-a0", "Foreground") in c.deletes
+    # the policy first (no pod is reachable from outside its group); the ConfigMap carried the job file to the
+    # pods, with the pod's own checkpoint folder
+    assert c.creates == [
+        ("NetworkPolicy", "tessera-tiny-s0-a0"),
+        ("ConfigMap", "tessera-tiny-s0-a0"),
+        ("JobSet", "tessera-tiny-s0-a0"),
+    ]
 
 
 def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):
@@ -144,7 +150,7 @@ def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):
     ) in text
     assert "was disrupted (EvictionByEvictionAPI: Eviction API: evicting)" in text
     assert _end(job, api) == f"tessera.k8s: JobSet {name} completed"
-    assert [k for k, _ in c.creates] == ["ConfigMap", "JobSet"]  # the controller restarted it, not the launcher
+    assert [k for k, _ in c.creates] == ["NetworkPolicy", "ConfigMap", "JobSet"]  # the controller restarted it
 
 
 def test_fatal_exit_78_ends_at_once_with_the_failing_pods_lines(api, tmp_path):
@@ -228,7 +234,11 @@ def test_cancellation_mid_run_deletes_everything(api, tmp_path):
     assert cancel_all(grace_s=1) == 1  # what a failing or cancelled flow calls
     assert job.stopped and job.poll() == 76
     assert c.names() == []
-    assert {(k, p) for k, _, p in c.deletes} == {("JobSet", "Foreground"), ("ConfigMap", "Foreground")}
+    assert {(k, p) for k, _, p in c.deletes} == {
+        ("JobSet", "Foreground"),
+        ("ConfigMap", "Foreground"),
+        ("NetworkPolicy", "Foreground"),
+    }
 
 
 def test_relaunched_task_reattaches_instead_of_creating_a_second_jobset(api, tmp_path):
@@ -301,7 +311,7 @@ def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
     assert job.wait(timeout=90) == 0
     sim.join()
     assert (job.preemptions, job.restarts) == (1, 1)
-    assert [k for k, _ in c.creates] == ["ConfigMap", "Service", "Job", "Job", "Job"]
+    assert [k for k, _ in c.creates] == ["NetworkPolicy", "ConfigMap", "Service", "Job", "Job", "Job"]
     assert [d for d in c.deletes if d[0] == "Job"] == [("Job", name, "Foreground")] * 2
     text = job.tail()
     assert (

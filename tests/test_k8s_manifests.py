@@ -88,7 +88,9 @@ def test_core_objects_validate(variant, version):
     objects.append(eval_job(cfg.kubernetes, Workload("tiny", "eval", tokens=16384), "evaluation", ["--step", "16384"]))
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == (
-        ["ConfigMap", "Job", "Job", "Service"] if cfg.kubernetes.api == "indexed-job" else ["ConfigMap", "Job", "Job"]
+        ["ConfigMap", "Job", "Job", "NetworkPolicy", "Service"]
+        if cfg.kubernetes.api == "indexed-job"
+        else ["ConfigMap", "Job", "Job", "NetworkPolicy"]
     )
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -218,7 +220,7 @@ def test_no_secret_value_in_any_manifest():
     """Credentials only by reference: the rendered text holds the Secret names, never a key's value."""
     js = _by_kind(_render(GPU_TWO_NODES))["JobSet"]
     env = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    by_ref = {e["name"] for e in env if "valueFrom" in e}
+    by_ref = {e["name"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
     assert by_ref == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     assert all("value" not in e for e in env if e["name"] in by_ref)
     assert "MLFLOW_TRACKING_PASSWORD" not in json.dumps(js)  # envFrom names the Secret, not its keys
@@ -243,8 +245,8 @@ def test_cpu_variant_and_kueue_label():
 
 def test_indexed_job_fallback_names_pod0_through_its_headless_service():
     objects = _render(INDEXED_JOB, attempt=2)
-    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "Job"]
-    svc, job = objects[1], objects[2]
+    assert [o["kind"] for o in objects] == ["NetworkPolicy", "ConfigMap", "Service", "Job"]
+    svc, job = objects[2], objects[3]
     name = "tessera-tiny-s1-a2"
     assert svc["metadata"]["name"] == job["metadata"]["name"] == name
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
@@ -315,3 +317,24 @@ def test_recipe_errors_are_one_line_naming_the_field(tmp_path):
     assert "compute.kubernetes: gpus_per_node (8) sets the ranks of a GPU pod" in load(compute=bad_gpus)
     bad_mem = {**k8s, "kubernetes": {"image": "img:1", "memory": "lots"}}
     assert "compute.kubernetes.memory: String should match pattern" in load(compute=bad_mem)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_only_the_groups_own_pods_reach_its_pods_and_the_store_binds_to_the_pod_ip(variant):
+    """The NetworkPolicy comes first (no pod exists before it) and admits exactly the launch's pods, which the
+    group's pod template labels; rank 0's store listens on the pod's own IP (the downward API)."""
+    objects = _render(VARIANTS[variant])
+    policy, group = objects[0], objects[-1]
+    assert policy["kind"] == "NetworkPolicy"
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+    job = group["spec"]["replicatedJobs"][0]["template"] if group["kind"] == "JobSet" else group
+    pod = job["spec"]["template"]
+    assert selector == {k: v for k, v in pod["metadata"]["labels"].items() if k in selector}
+    assert selector["tessera.dev/attempt"] == "0" and selector["tessera.dev/run"] == "tiny"
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["TESSERA_STORE_BIND"] == {
+        "name": "TESSERA_STORE_BIND",
+        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -50,3 +51,34 @@ def test_other_shapes_or_an_unreadable_file_start_fresh_and_say_why(tmp_path):
     assert opt.state_dict()["state"] == {}
     missing = str(tmp_path / "gone.pt")
     assert seed_optimizer(net, opt, missing).startswith(f"fresh: cannot read the optimizer state of {missing}")
+
+
+class _OpensAFile:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_stops_the_run_unless_trusted(tmp_path):
+    """init_optimizer_from names a file: read weights-only, a payload is a fatal line naming it, not a fresh start
+    that would hide it; train.trust_checkpoints loads it (and runs what it carries)."""
+    from trainers.exit_codes import FatalError
+
+    path, _ = _checkpoint(tmp_path, 8)
+    state = torch.load(path, weights_only=True)
+    marker = tmp_path / "payload-ran"
+    state["state"]["note"] = _OpensAFile(marker)
+    evil = str(tmp_path / "evil.pt")
+    torch.save(state, evil)
+    net = Net(8)
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-4)
+    with pytest.raises(FatalError) as refused:
+        seed_optimizer(net, opt, evil)
+    assert str(refused.value).startswith(
+        f"train.init_optimizer_from: {evil}: refused to load: unpickling it needs `io.open`, which can run code"
+    )
+    assert not marker.exists() and opt.state_dict()["state"] == {}
+    assert seed_optimizer(net, opt, evil, trust=True) == f"restored from {evil}"
+    assert marker.exists()

@@ -591,6 +591,47 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
     assert all(torch.equal(mine["model"][k], v) for k, v in ref["model"].items())
 
 
+class _OpensAFile:
+    """A pickled value that creates a file when it is unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_would_run_code_stops_the_trainer_in_one_line(tmp_path, sources):
+    """A checkpoint planted in the save folder (its manifest's SHA-256 made to match) is read by Composer's own
+    resume through the weights-only unpickler: the trainer exits fatal naming the file; the payload never runs."""
+    import json
+
+    import torch
+
+    from trainers.format.checkpoints import file_sha256, list_complete, manifest_path
+    from trainers.format.safe_load import load
+
+    job, job_path = _job(tmp_path, sources)
+    log = tmp_path / "samples.jsonl"
+    assert _launch(job_path, 0, log, fault="step:2304").returncode == -9  # after the 2048 checkpoint
+    newest = list_complete(job.save_folder)[-1]
+    marker = tmp_path / "payload-ran"
+    state = load(newest.path)
+    state["state"]["metadata"]["note"] = _OpensAFile(marker)
+    torch.save(state, newest.path)
+    manifest = manifest_path(job.save_folder, newest.tokens)
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "sha256": file_sha256(newest.path)}))
+
+    proc = _launch(job_path, 0, log)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert (
+        f"tessera.train: fatal: {newest.path}: refused to load: unpickling it needs `io.open`, which can run code "
+        "when loaded; pass --trust-checkpoint only for a file you made or trust"
+    ) in proc.stderr
+    assert not marker.exists()
+
+
 @pytest.mark.slow
 def test_lost_manifests_are_rederived_and_no_good_checkpoint_is_deleted(reference, tmp_path, sources):
     """The manifests/ folder is lost during the second stage: the relaunch used to delete every checkpoint

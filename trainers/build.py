@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -85,9 +87,10 @@ def _setup_store():
 
 
 def _post(store, key: str, answer, error: BaseException | None) -> None:
-    """Post an answer, or a failure every rank re-raises (anything unexpected as retryable)."""
-    failure = None if error is None else (isinstance(error, FatalError), str(error) or type(error).__name__)
-    store.set(key, pickle.dumps((answer, failure)))
+    """Post an answer (JSON: the store is a network service, and what it hands out is never unpickled), or a
+    failure every rank re-raises (anything unexpected as retryable)."""
+    failure = None if error is None else [isinstance(error, FatalError), str(error) or type(error).__name__]
+    store.set(key, json.dumps({"answer": answer, "failure": failure}))
 
 
 def _read(store, key: str):
@@ -98,7 +101,8 @@ def _read(store, key: str):
     only once all have, or the others would find the store gone instead of the reason.
     """
     store.wait([key])
-    answer, failure = pickle.loads(store.get(key))
+    posted = json.loads(store.get(key))
+    answer, failure = posted["answer"], posted["failure"]
     store.add(f"{key}/read", 1)
     if failure is not None:
         fatal, message = failure
@@ -167,12 +171,13 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     to load is in its own local folder.
     """
 
-    def decide() -> tuple[StartPlan, int]:
+    def decide() -> dict:
         folder_lock.acquire(job.save_folder, job.run_name)
         plan = plan_start(job, stage_index)
-        return plan, pending_skip(RunFolder.of(job), stage_index, plan.tokens)
+        return {"plan": dataclasses.asdict(plan), "skip": pending_skip(RunFolder.of(job), stage_index, plan.tokens)}
 
-    plan, skip = _rank0_decides(decide)
+    decided = _rank0_decides(decide)
+    plan, skip = StartPlan(**decided["plan"]), int(decided["skip"])
     _, world_size = world()
     if world_size > 1:
         # No rank loads before every node has its file; each node's first rank says when it has.
@@ -262,7 +267,8 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
-    trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
+    with _refused_as_fatal(plan):
+        trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
     if plan.kind == "enter":
         # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
         # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
@@ -272,11 +278,30 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         log.info("skipping %d samples after a loss anomaly (see %s-rollbacks.json)", skip, job.run_name)
         apply_skip(trainer, skip)
     if job.train.init_optimizer_from and plan.kind == "fresh":  # later launches restore their own
-        outcome = seed_optimizer(trainer.state.model, trainer.state.optimizers[0], job.train.init_optimizer_from)
+        outcome = seed_optimizer(
+            trainer.state.model,
+            trainer.state.optimizers[0],
+            job.train.init_optimizer_from,
+            trust=job.train.trust_checkpoints,
+        )
         log.info("optimizer state: %s", outcome)
         metrics.start_tags["tessera.optimizer_state"] = outcome
     trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
     return trainer
+
+
+@contextlib.contextmanager
+def _refused_as_fatal(plan: StartPlan):
+    """A checkpoint the weights-only unpickler refuses (trainers/format/safe_load.py) is refused on every
+    relaunch: one fatal line naming it, not a retry."""
+    from trainers.format.safe_load import refusal
+
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise
+        raise FatalError(refusal((plan.checkpoint or {}).get("path") or plan.load_path, exc)) from None
 
 
 def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
@@ -289,7 +314,11 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
         # port right after can race a peer still leaving the old one.
         from composer.utils import dist, get_device
 
-        dist.initialize_dist(get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300")))
+        from trainers.rendezvous import init_process_group
+
+        device, timeout = get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300"))
+        init_process_group(device.dist_backend.lower(), timeout)  # its store listens only where the launcher said
+        dist.initialize_dist(device, timeout)  # Composer's checks; the group exists already
     plan, skip = _plan(job, stage_index)
     # A kill -9 leaves Streaming's shared memory behind (trainers/shm.py): local rank 0 removes the
     # segments no live process maps, while the node's other ranks wait; a live job's stay.

@@ -164,6 +164,12 @@ class TrainConfig(_Strict):
         "fresh run, when its parameter shapes match the model; otherwise the optimizer starts fresh "
         "(the run says which).",
     )
+    trust_checkpoints: bool = Field(
+        False,
+        description="Load checkpoints (resumes, init_optimizer_from) even when they need more than tensors and plain "
+        "values to unpickle, which can run code they carry; the recipe's --trust-checkpoint. Off: such a file stops "
+        "the run in one line naming it. Checkpoints tessera writes never need it.",
+    )
     val_batches: int = Field(
         8,
         ge=0,

@@ -16,6 +16,9 @@ SUPERVISOR_PID_ENV = "TESSERA_SUPERVISOR_PID"
 HOLDER_ENV = "TESSERA_HOLDER"
 # Rank 0's pod address on Kubernetes, which the pod entrypoint hands Composer's launcher.
 MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
+# The address rank 0's rendezvous store listens on (trainers/rendezvous.py); on Kubernetes the pod's own IP
+# (the downward API), elsewhere unset: MASTER_ADDR, the address the launcher gave every rank.
+STORE_BIND_ENV = "TESSERA_STORE_BIND"
 
 # Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
 # 2 (argparse usage) and 128+N (killed by signal N).

@@ -27,18 +27,27 @@ def _local(uri: str, tmp: str) -> str:
     return dest
 
 
-def seed_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> str:
+def seed_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str, *, trust: bool = False
+) -> str:
     """Load the checkpoint's optimizer state into `optimizer` if it fits `model`; returns what happened, in words.
 
     Composer saves optimizer state keyed by parameter name (torch.distributed.checkpoint's format),
-    so it is matched to this model by name and shape, and loaded with torch's own setter.
+    so it is matched to this model by name and shape, and loaded with torch's own setter. The file is
+    read weights-only (trainers/format/safe_load.py): one that needs more is a FatalError naming it,
+    not a fresh start, unless `trust` (train.trust_checkpoints).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    from trainers.exit_codes import FatalError
+    from trainers.format.safe_load import UnsafeCheckpoint, load
+
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:
-            state = torch.load(_local(checkpoint, tmp), map_location="cpu", weights_only=False)
+            state = load(_local(checkpoint, tmp), trust=trust, shown=checkpoint)
         saved = next(iter(state["state"]["optimizers"].values()))
+    except UnsafeCheckpoint as exc:
+        raise FatalError(f"train.init_optimizer_from: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint means a fresh optimizer, said plainly
         return f"fresh: cannot read the optimizer state of {checkpoint} ({type(exc).__name__}: {exc})"
     params = dict(model.named_parameters())

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         job = load_job(args.job)
+        if not job.train.trust_checkpoints:
+            from trainers.format.safe_load import force_weights_only
+
+            force_weights_only()  # Composer's own resume included: no checkpoint runs code in the trainer
         # Heavy imports after validating, so `--help` and a bad job file answer at once.
         from trainers.build import build_trainer
         from trainers.metrics_outbox import deliver_pending

@@ -37,6 +37,11 @@ _PATHS = [
     (re.compile(r"^/api/v1/namespaces/([^/]+)/services(?:/([^/]+))?$"), "Service", "v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$"), "ConfigMap", "v1"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/events(?:/([^/]+))?$"), "Event", "v1"),
+    (
+        re.compile(r"^/apis/networking\.k8s\.io/v1/namespaces/([^/]+)/networkpolicies(?:/([^/]+))?$"),
+        "NetworkPolicy",
+        "networking.k8s.io/v1",
+    ),
 ]
 _LOG_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 _CHILD_LABEL = {"JobSet": "jobset.sigs.k8s.io/jobset-name", "Job": "batch.kubernetes.io/job-name"}
@@ -390,7 +395,14 @@ class _Handler(BaseHTTPRequestHandler):
         if query.get("watch") in ("true", "True", "1"):
             return self._watch(kind, ns, labels, fields, float(query.get("timeoutSeconds", "5")))
         items = [o for o in c.items(kind, labels, fields) if o["metadata"]["namespace"] == ns]
-        if kind in ("Job", "Pod", "Service", "ConfigMap", "Event"):  # the API omits kind on list items of built-ins
+        if kind in (
+            "Job",
+            "Pod",
+            "Service",
+            "ConfigMap",
+            "Event",
+            "NetworkPolicy",
+        ):  # the API omits kind on list items of built-ins
             items = [{k: v for k, v in o.items() if k not in ("kind", "apiVersion")} for o in items]
         self._send(
             200,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import torch
-
+from trainers.format import safe_load
 from trainers.format.meta import parameters_on_meta
 
 
-def load_hf(ckpt_path: str | Path):
+def load_hf(ckpt_path: str | Path, *, trust: bool = False):
     """(model, tokenizer) from one Composer HuggingFaceModel checkpoint; tokenizer is None if none was embedded.
+
+    The file is read by the weights-only unpickler (trainers/format/safe_load.py): one that needs more
+    raises UnsafeCheckpoint, naming it, unless `trust`.
 
     Reads the file once. (HuggingFaceModel.hf_from_composer_checkpoint copies the file first and
     unpacks the tokenizer into the current directory, so its two helpers are called directly.)
@@ -20,7 +22,7 @@ def load_hf(ckpt_path: str | Path):
     """
     from composer.models import HuggingFaceModel
 
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = safe_load.load(ckpt_path, trust=trust, mmap=True)
     hf_state = checkpoint["state"]["integrations"]["huggingface"]
     with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
         tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
@@ -35,11 +37,11 @@ def load_hf(ckpt_path: str | Path):
     return model.eval(), tokenizer
 
 
-def export_hf(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+def export_hf(ckpt_path: str | Path, out_dir: str | Path, *, trust: bool = False) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer files) for `ckpt_path` into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_hf(ckpt_path)
+    model, tokenizer = load_hf(ckpt_path, trust=trust)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -1,0 +1,123 @@
+"""Reading a checkpoint without running code it carries.
+
+A `.pt` file is a zip holding a pickle, and a pickle may call any function while it loads: a file
+someone hands to `tessera eval`, `tessera compare`, the `eval` deployment or
+`train.init_optimizer_from` would run as the user who loads it. Every checkpoint tessera reads
+therefore goes through torch's weights-only unpickler, which builds tensors, containers and plain
+values and refuses every other global. A Composer checkpoint needs a few more, listed in
+SAFE_GLOBALS: each builds a value and calls nothing (a `timedelta` of the timestamp, the torch
+version in the metadata, and numpy arrays of numeric dtypes, which hold the saved RNG states).
+
+The trainer loads its own checkpoints through Composer, which asks torch for a full unpickler;
+`force_weights_only()` makes torch use the weights-only one there too (TORCH_FORCE_WEIGHTS_ONLY_LOAD
+overrides a call's `weights_only=False`), so a file planted in a save folder, local or s3, cannot
+run code in the trainer either.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import re
+from pathlib import Path
+
+FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+TRUST_HINT = "pass --trust-checkpoint only for a file you made or trust"
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint that needs more than tensors and plain values to load. `str()` is one line naming it."""
+
+
+def _numpy_globals() -> list:
+    """numpy's array reconstruction and its numeric dtypes, under their numpy 2 names and the numpy 1 aliases
+    that files written by numpy 1 name. Object arrays stay refused: ObjectDType is not listed."""
+    import numpy as np
+
+    numeric = [
+        getattr(np.dtypes, name)
+        for name in (
+            "BoolDType",
+            "Int8DType",
+            "Int16DType",
+            "Int32DType",
+            "Int64DType",
+            "UInt8DType",
+            "UInt16DType",
+            "UInt32DType",
+            "UInt64DType",
+            "Float16DType",
+            "Float32DType",
+            "Float64DType",
+            "LongLongDType",
+            "ULongLongDType",
+        )
+        if hasattr(np.dtypes, name)
+    ]
+    core = np._core.multiarray
+    return [
+        core._reconstruct,
+        (core._reconstruct, "numpy.core.multiarray._reconstruct"),
+        core.scalar,
+        (core.scalar, "numpy.core.multiarray.scalar"),
+        np.ndarray,
+        np.dtype,
+        *numeric,
+    ]
+
+
+def safe_globals() -> list:
+    """What a Composer checkpoint holds besides tensors, dicts, lists, tuples, strings and numbers."""
+    from torch.torch_version import TorchVersion
+
+    return [datetime.timedelta, TorchVersion, *_numpy_globals()]
+
+
+def allow_checkpoint_types() -> None:
+    """Register SAFE_GLOBALS with torch's weights-only unpickler, in this process (idempotent)."""
+    import torch
+
+    torch.serialization.add_safe_globals(safe_globals())
+
+
+def force_weights_only() -> None:
+    """Every torch.load in this process, Composer's included, uses the weights-only unpickler from now on."""
+    allow_checkpoint_types()
+    os.environ[FORCE_ENV] = "1"
+
+
+def refusal(path: str | Path, exc: BaseException) -> str:
+    """The one line that says why `path` was refused, from torch's (long) weights-only error."""
+    text = str(exc)
+    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"but got <class '([\w.]+)'>", text)
+    if found:
+        return (
+            f"{path}: refused to load: unpickling it needs `{found.group(1)}`, which can run code when loaded; "
+            f"{TRUST_HINT} (a checkpoint tessera wrote never needs it)"
+        )
+    why = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+    detail = why.group(1) if why else text.splitlines()[0]
+    return f"{path}: refused to load: not a checkpoint of tensors and plain values ({detail})"
+
+
+def load(path: str | Path, *, trust: bool = False, mmap: bool = False, shown: str | None = None) -> dict:
+    """The checkpoint's pickled state, on CPU; UnsafeCheckpoint unless it holds only safe values or `trust`.
+    `shown` names the file in the error when `path` is a downloaded copy."""
+    import torch
+
+    allow_checkpoint_types()
+    if trust:
+        # The caller vouches for the file: the full unpickler, even where force_weights_only() is in effect.
+        saved = os.environ.pop(FORCE_ENV, None)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        finally:
+            if saved is not None:
+                os.environ[FORCE_ENV] = saved
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower() and "weights_only" not in str(exc):
+            raise
+        raise UnsafeCheckpoint(refusal(shown or path, exc)) from None
