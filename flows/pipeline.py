@@ -91,12 +91,12 @@ class PipelineResult(BaseModel):
 
 
 def _train_and_watch(
-    recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, queue: GauntletQueue, holder: str
+    recipe: Recipe, job: TrainJob, job_path: Path, run_dir: Path, queue: GauntletQueue, holder: str, recipe_path: str
 ) -> None:
     save_folder = Path(job.save_folder)
     for k, stage in enumerate(recipe.train.stages):
         training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
-            str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder
+            str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder, recipe_path
         )
         while not wait([training], timeout=POLL_SECONDS).done:
             queue.sweep(save_folder)
@@ -294,7 +294,7 @@ def _run_exclusively(
         )
         holder = f"flow run {flow_run.name!r} ({flow_run.id}{', ' + flow_url if flow_url else ''})"
         try:
-            _train_and_watch(recipe, job, job_path, run_dir, queue, holder)
+            _train_and_watch(recipe, job, job_path, run_dir, queue, holder, recipe_path)
         except BaseException:
             # The stage runs in a task thread that Prefect cannot interrupt: stop its job here, so a
             # failed or interrupted flow never leaves a trainer writing into the run's folder.

@@ -33,6 +33,7 @@ from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
 from trainers.contract import HOLDER_ENV
 from trainers.exit_codes import FATAL, INTERRUPTED
 from trainers.format.atomic import atomic_write
+from trainers.progress import parse_damage
 
 USAGE_ERROR = 2  # argparse
 POLL_SECONDS = 1.0
@@ -45,6 +46,10 @@ class TrainingFailed(RuntimeError):
 
 class TrainingFatal(TrainingFailed):
     """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
+
+
+class DataDamaged(TrainingFatal):
+    """The trainer found prepared data whose bytes are not what its index records; its done-marker is withdrawn."""
 
 
 class PreemptionBudgetSpent(TrainingFailed):
@@ -141,12 +146,13 @@ def train_stage(
     log_dir: str,
     run_name: str = "",
     holder: str = "",
+    recipe_path: str = "",
 ) -> int:
     """Run stage `stage_index` of the job to its end; returns the job's exit code (0), or a Cancelled state
     when the flow stopped the job.
 
     `holder` names this flow run in the trainer's lease, so a second trainer of the same run
-    says who is training it.
+    says who is training it; `recipe_path`, what re-prepares damaged data, is named in that error.
     """
     logger = get_run_logger()
     backend = backend_for(compute)
@@ -169,7 +175,7 @@ def train_stage(
         if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
             # a stop is not this task's failure: grey Cancelled, not red Failed, in the run's graph
             return Cancelled(message=f"stage {stage_name}: the trainer was stopped because its flow run is ending")
-        last = next((line for line in reversed(job.tail().splitlines()) if line.strip()), "")
+        last = _last_word(job.tail(200))
         if kind == "preempted" and preemptions < compute.max_preemptions:
             preemptions += 1
             logger.warning(
@@ -183,12 +189,41 @@ def train_stage(
             )
             time.sleep(PREEMPTION_DELAY_S)
             continue
-        error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
+        damage = next((d for d in map(parse_damage, job.tail(200).splitlines()) if d), None)
+        if kind == "fatal" and damage is not None:
+            raise DataDamaged(_withdraw_damaged(stage_name, damage, recipe_path))
+        error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
         raise error(
             f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
         )
+
+
+def _last_word(tail: str) -> str:
+    """What a failed launch said last: a rank's own `tessera.train:` line (which a multi-rank launcher's own lines
+    about the ranks it stopped follow), else the log's last line."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("tessera.train: ")]
+    return (said or lines or [""])[-1]
+
+
+def _withdraw_damaged(stage_name: str, damage: dict, recipe_path: str) -> str:
+    """Withdraw the done-marker of the output the trainer found damaged; the one line that says what and the fix."""
+    from tasks.data import outputs, remote_root
+
+    folder = damage["path"].rstrip("/")
+    out = folder.rsplit("/", 1)[0]  # <data root>/<source>-<hash>, holding the train/ and val/ splits
+    withdrawn = remote_root.withdraw(out) if remote_root.is_remote(out) else outputs.withdraw(out)
+    shard = f"shard {damage['shard']}" if damage.get("shard") else "its index"
+    if damage.get("samples"):
+        shard += f" (samples {damage['samples'][0]:,}-{damage['samples'][1]:,})"
+    marker = "its done-marker is withdrawn" if withdrawn else "it was already withdrawn"
+    prepare = f"`tessera prepare {recipe_path}`" if recipe_path else "`tessera prepare RECIPE`"
+    return (
+        f"stage {stage_name}: prepared data of source {damage['source']} is damaged: {shard} in {folder} "
+        f"{damage['why']}; {marker}, so {prepare} prepares it again (and a rerun of this run does, before it resumes)"
+    )
 
 
 @task(cache_policy=NO_CACHE)

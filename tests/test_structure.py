@@ -164,6 +164,7 @@ def test_the_checks_see_what_they_are_for():
 # store's delete_object, which this check does not count: no other module holds a store).
 REMOVES_OTHER_FILES = {
     "atomic": "its own temp file, when a state file's write fails before the rename",
+    "data_check": "a damaged cached copy of a remote data shard, which Streaming then fetches and validates again",
     "metrics_outbox": "its own write-ahead journal",
     "remote": "hard links staged for an upload (.uploading/) and half-downloaded data folders",
     "shm": "Streaming's shared-memory segments and locks of dead processes",

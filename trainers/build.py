@@ -30,14 +30,17 @@ from trainers.data import (
     build_val_evaluators,
     cache_dir_for,
 )
+from trainers.data_check import DamagedData, announce, verify_streams
 from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
 from trainers.faults import Probe
 from trainers.format.mlflow_model import download_model
+from trainers.format.safe_load import refusal
 from trainers.layout import RunFolder
 from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.progress import format_start
 from trainers.remote import fetch_folder
+from trainers.rendezvous import init_process_group
 from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
@@ -89,7 +92,9 @@ def _setup_store():
 def _post(store, key: str, answer, error: BaseException | None) -> None:
     """Post an answer (JSON: the store is a network service, and what it hands out is never unpickled), or a
     failure every rank re-raises (anything unexpected as retryable)."""
-    failure = None if error is None else [isinstance(error, FatalError), str(error) or type(error).__name__]
+    failure = None
+    if error is not None:  # [fatal, message, what a DamagedData names]
+        failure = [isinstance(error, FatalError), str(error) or type(error).__name__, getattr(error, "record", None)]
     store.set(key, json.dumps({"answer": answer, "failure": failure}))
 
 
@@ -105,7 +110,7 @@ def _read(store, key: str):
     answer, failure = posted["answer"], posted["failure"]
     store.add(f"{key}/read", 1)
     if failure is not None:
-        fatal, message = failure
+        fatal, message = failure[:2]
         # Decided now, not when the error reaches main(): a peer that read it first may already be
         # gone, and the launcher's SIGTERM for the survivors must not turn this into INTERRUPTED.
         decide_exit(ExitCode.FATAL if fatal else ExitCode.RETRYABLE)
@@ -113,6 +118,10 @@ def _read(store, key: str):
         deadline = time.monotonic() + 60
         while rank == 0 and store.add(f"{key}/read", 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.05)
+        if len(failure) > 2 and failure[2]:
+            damage = DamagedData(failure[2])
+            announce(damage)  # now: a peer that leaves first has the launcher SIGTERM this rank before it returns
+            raise damage
         raise (FatalError if fatal else RetryableError)(message)
     return answer
 
@@ -178,15 +187,20 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
 
     decided = _rank0_decides(decide)
     plan, skip = StartPlan(**decided["plan"]), int(decided["skip"])
+    to_train = plan.tokens < job.stage(stage_index).end
     _, world_size = world()
+    if world_size == 1 and to_train:
+        _verify_data(job, stage_index)
     if world_size > 1:
-        # No rank loads before every node has its file; each node's first rank says when it has.
+        # No rank loads before every node has its file and has checked its data; each node's first rank says when.
         node, nodes = (
             int(os.environ.get("NODE_RANK", "0")),
             world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         )
 
         def ready() -> bool:
+            if to_train:
+                _verify_data(job, stage_index)
             if node != 0:  # rank 0's node has the file: rank 0 planned from it
                 prepare_node(job, stage_index, plan)
             return True
@@ -197,6 +211,17 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
             for other in range(nodes):
                 _read(store, f"tessera/node-ready/{other}")
     return plan, skip
+
+
+def _verify_data(job: TrainJob, stage_index: int) -> None:
+    """Every shard this node reads in the stage (its mixture and the held-out splits) against its index's hash
+    (trainers/data_check.py): a damaged one is a fatal DamagedData naming it, before anything trains."""
+    stage = job.stage(stage_index)
+    streams = {name: stage.streams[name] for name in stage.config.mixture}
+    streams |= {f"{name} (val)": path for name, path in job.val_streams.items()} if job.train.val_batches else {}
+    started = time.monotonic()
+    verify_streams(streams, cache_dir_for)
+    log.info("prepared data verified: %d stream(s) in %.1fs", len(streams), time.monotonic() - started)
 
 
 def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
@@ -294,8 +319,6 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
 def _refused_as_fatal(plan: StartPlan):
     """A checkpoint the weights-only unpickler refuses (trainers/format/safe_load.py) is refused on every
     relaunch: one fatal line naming it, not a retry."""
-    from trainers.format.safe_load import refusal
-
     try:
         yield
     except pickle.UnpicklingError as exc:
@@ -313,8 +336,6 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
         # cleanup would otherwise create and destroy its own, and re-creating a group on the same
         # port right after can race a peer still leaving the old one.
         from composer.utils import dist, get_device
-
-        from trainers.rendezvous import init_process_group
 
         device, timeout = get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300"))
         init_process_group(device.dist_backend.lower(), timeout)  # its store listens only where the launcher said

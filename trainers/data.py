@@ -22,6 +22,7 @@ from streaming import Stream, StreamingDataLoader, StreamingDataset
 
 from trainers.config import Stage, TrainConfig
 from trainers.contract import CACHE_DIR_ENV
+from trainers.data_check import PREFERRED, DamagedData, remember
 
 __all__ = ["build_stage_data", "build_val_evaluators", "cache_dir_for"]
 
@@ -69,11 +70,52 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def _stream(path: str, proportion: float | None = None) -> Stream:
-    """A local MDS directory is read in place; a remote one (s3://...) is cached under $TESSERA_CACHE_DIR."""
+class VerifiedStream(Stream):
+    """A remote stream whose downloads Streaming validates against the index's hash, a mismatch named as
+    trainers.data_check.DamagedData (Streaming raises it in its download thread, and the training loop then
+    sees only "Background thread failed": the entrypoint reports `data_check.first_damage()` instead)."""
+
+    def __init__(self, *, source: str, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+        self._first_sample: dict[int, int] = {}  # id(shard reader) -> its first sample in this stream
+
+    def get_shards(self, world, allow_unsafe_types: bool):
+        shards = super().get_shards(world, allow_unsafe_types)
+        start = 0
+        for shard in shards:
+            self._first_sample[id(shard)] = start
+            start += shard.samples
+        recorded = shards[0].file_pairs[0][0].hashes if shards else {}
+        self.validate_hash = next((a for a in PREFERRED if a in recorded), next(iter(recorded), None))
+        return shards
+
+    def prepare_shard(self, shard) -> int:
+        try:
+            return super().prepare_shard(shard)
+        except ValueError as exc:
+            if not str(exc).startswith("Checksum failure"):
+                raise
+            first = self._first_sample.get(id(shard))
+            damage = DamagedData(
+                {
+                    "source": self.source,
+                    "path": self.remote,
+                    "shard": shard.file_pairs[0][0].basename,
+                    "samples": None if first is None else [first, first + shard.samples - 1],
+                    "why": f"failed its {self.validate_hash} check when downloaded",
+                }
+            )
+            remember(damage)
+            raise damage from None
+
+
+def _stream(path: str, proportion: float | None = None, source: str = "") -> Stream:
+    """A local MDS directory is read in place (trainers/data_check.py verified it); a remote one (s3://...) is
+    cached under $TESSERA_CACHE_DIR, each download validated."""
     if "://" not in path:
         return Stream(local=path, proportion=proportion)
-    return Stream(remote=path, local=str(cache_dir_for(path)), proportion=proportion)
+    return VerifiedStream(source=source, remote=path, local=str(cache_dir_for(path)), proportion=proportion)
 
 
 def cache_dir_for(uri: str) -> Path:
@@ -99,7 +141,7 @@ def build_stage_data(stage: Stage, train: TrainConfig, world_size: int) -> DataS
     device_batch = stage.batch_size // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
     mixture = stage.config.mixture
-    streams = [_stream(stage.streams[name], p) for name, p in sorted(mixture.items())]
+    streams = [_stream(stage.streams[name], p, name) for name, p in sorted(mixture.items())]
     dataset = TokenSamples(
         seq_len=stage.seq_len,
         streams=streams,
@@ -143,7 +185,7 @@ def build_val_evaluators(
     for name, path in sorted(val_streams.items()):
         dataset = TokenSamples(
             seq_len=seq_len,
-            streams=[_stream(path)],
+            streams=[_stream(path, source=name)],
             batch_size=device_batch,
             shuffle=False,
             cache_limit=_cache_limit(train, [path]),

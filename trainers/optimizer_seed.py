@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from trainers.exit_codes import FatalError
+from trainers.format.safe_load import UnsafeCheckpoint, load
+
 log = logging.getLogger("tessera.train")
 
 
@@ -38,9 +41,6 @@ def seed_optimizer(
     not a fresh start, unless `trust` (train.trust_checkpoints).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    from trainers.exit_codes import FatalError
-    from trainers.format.safe_load import UnsafeCheckpoint, load
 
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:

@@ -21,6 +21,12 @@ Before any of them, rank 0 prints one `tessera.start {json}` line saying where t
     kind                    fresh | resume | enter (trainers/plan.py) | done (the stage was complete)
     tokens, step            the run's tokens and optimizer steps at the start point
     checkpoint              the checkpoint loaded (null when fresh), and `written`, its time (UTC ISO 8601)
+
+A launch that finds its prepared data damaged (trainers/data_check.py) prints one `tessera.damaged {json}`
+line before it exits fatal:
+    source, path            the source and the MDS folder (local, or the s3:// URI it streams)
+    shard, samples          the damaged shard and its samples [first, last] in that folder (null: the index)
+    why                     what is wrong with it
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ START_PREFIX = "tessera.start"
 START_FIELDS = ("stage", "stage_index", "kind", "tokens", "step", "checkpoint", "written")
 INTERVAL_ENV = "TESSERA_PROGRESS_S"
 DEFAULT_INTERVAL_S = 10.0
+DAMAGE_PREFIX = "tessera.damaged"
+DAMAGE_FIELDS = ("source", "path", "shard", "samples", "why")
 FIELDS = ("stage", "stage_index", "step", "tokens", "stage_start", "stage_end", "loss", "tokens_per_sec", "elapsed_s")
 
 
@@ -67,3 +75,13 @@ def format_start(record: Mapping[str, object]) -> str:
 def parse_start(line: str) -> dict | None:
     """The record of a start line, or None for any other line."""
     return _parse(line, START_PREFIX, START_FIELDS)
+
+
+def format_damage(record: Mapping[str, object]) -> str:
+    """The line naming damaged prepared data, for a record holding DAMAGE_FIELDS."""
+    return f"{DAMAGE_PREFIX} {json.dumps(dict(record), separators=(',', ':'))}"
+
+
+def parse_damage(line: str) -> dict | None:
+    """The record of a damage line, or None for any other line."""
+    return _parse(line, DAMAGE_PREFIX, DAMAGE_FIELDS)

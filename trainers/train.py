@@ -29,6 +29,18 @@ def stop_on_signals() -> None:
         signal.signal(sig, lambda *_: os._exit(code_on_signal()))
 
 
+def fatal(exc: FatalError) -> ExitCode:
+    """Leave fatal with one line; damaged prepared data is also named on stdout for the flow, which withdraws that
+    output's done-marker (trainers/data_check.py)."""
+    decide_exit(ExitCode.FATAL)
+    if getattr(exc, "record", None) is not None:
+        from trainers.data_check import announce
+
+        announce(exc)
+    print(f"tessera.train: fatal: {exc}", file=sys.stderr)
+    return ExitCode.FATAL
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainers.train", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="TrainJob JSON written by the flow")
@@ -69,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return ExitCode.OK
     except FatalError as exc:
-        decide_exit(ExitCode.FATAL)
-        print(f"tessera.train: fatal: {exc}", file=sys.stderr)
-        return ExitCode.FATAL
+        return fatal(exc)
     except Exception as exc:  # noqa: BLE001
+        from trainers.data_check import first_damage
+
+        if first_damage() is not None:  # Streaming's download thread found it; the loop saw only a failure
+            return fatal(first_damage())
         code = classify(exc)
         if code == ExitCode.RETRYABLE and supervisor_gone():
             code = ExitCode.INTERRUPTED

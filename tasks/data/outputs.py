@@ -158,6 +158,29 @@ def _fault(point: str) -> None:
         os._exit(137)
 
 
+def withdraw(out: str) -> bool:
+    """Take back a damaged output's done-marker, so the next prepare writes it again; whether it had one."""
+    try:
+        os.unlink(os.path.join(out, DONE))
+    except FileNotFoundError:
+        return False
+    fsync_path(out)  # a power loss must not bring the marker back
+    return True
+
+
+def intact(out: str) -> bool:
+    """Whether every shard of the output's splits still has the bytes its index records (trainers/data_check.py)."""
+    from trainers.data_check import DamagedData, verify_stream
+
+    try:
+        for split in ("train", "val"):
+            if os.path.isdir(os.path.join(out, split)):
+                verify_stream(os.path.basename(out), os.path.join(out, split))
+    except DamagedData:
+        return False
+    return True
+
+
 def read_provenance(out: str) -> dict:
     with open(os.path.join(out, PROVENANCE)) as f:
         return json.load(f)

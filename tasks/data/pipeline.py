@@ -102,7 +102,10 @@ def is_published(p: Plan) -> bool:
 def cached_result(p: Plan) -> PreparedSource | None:
     if p.remote is not None:  # the bucket is the truth: a local copy alone is not a published output
         if not remote_root.is_done(p.remote):
-            if outputs.is_done(p.out):  # finished here, then the upload was cut short
+            if outputs.is_done(p.out):  # finished here, then the upload was cut short (or withdrawn: damaged there)
+                if not outputs.intact(p.out):  # never publish damaged bytes again: prepare it afresh
+                    outputs.withdraw(p.out)
+                    return None
                 remote_root.publish(p.out, p.remote)
                 return _result(p, outputs.read_provenance(p.out), cached=True)
             return None

@@ -49,6 +49,15 @@ def is_done(uri: str) -> bool:
         raise DataError(uri, f"cannot read the data root ({exc})") from exc
 
 
+def withdraw(uri: str) -> bool:
+    """Take back a published output's done-marker (a trainer found its bytes damaged). Whether it had one."""
+    if not is_done(uri):
+        return False
+    bucket, key = _key(uri)
+    storage._s3_client().delete_object(Bucket=bucket, Key=f"{key}/{DONE}")
+    return True
+
+
 def read_provenance(uri: str) -> dict:
     bucket, key = _key(uri)
     body = storage._s3_client().get_object(Bucket=bucket, Key=f"{key}/{PROVENANCE}")["Body"].read()
