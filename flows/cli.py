@@ -7,7 +7,6 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from flows.cli_k8s import cmd_k8s_render, cmd_k8s_status
@@ -24,11 +23,14 @@ from flows.runtime import (
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.recipe import NAME_PATTERN, RecipeError, load_recipe
+    from flows.recipe import RecipeError, load_recipe, run_folder
 
     recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
-    if args.run_name is not None and not re.fullmatch(NAME_PATTERN, args.run_name):
-        raise RecipeError(f"--run-name: {args.run_name!r} must match {NAME_PATTERN}")
+    if args.run_name is not None:
+        try:
+            run_folder(recipe.work_dir, args.run_name)
+        except RecipeError as exc:
+            raise RecipeError(f"--run-name: {exc}") from None
     work_prefect_home(recipe.work_dir)
     usable_data_root(recipe)
     from flows.pipeline import PipelineParams, pretrain_pipeline

@@ -24,7 +24,15 @@ from pydantic import BaseModel, Field
 
 from flows.outcome import REFUSED, form_values, run_or_end
 from flows.prepare import prepare_recipe_data
-from flows.recipe import NAME_PATTERN, Recipe, RecipeOverrides, apply_overrides, form_input, load_recipe
+from flows.recipe import (
+    NAME_PATTERN,
+    Recipe,
+    RecipeOverrides,
+    apply_overrides,
+    form_input,
+    load_recipe,
+    run_folder,
+)
 from flows.runtime import prepare_process
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
@@ -49,8 +57,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 RUN_NAME_HELP = (
     "This names the tessera run: its checkpoints, its MLflow run and its model versions; the same name resumes "
-    "it. Empty: the recipe's name. Letters, digits, '.', '_' and '-'. (The Run Name at the top of the page only "
-    "labels the Prefect flow run, which is renamed after this one.)"
+    "it. Empty: the recipe's name. Letters, digits, '.', '_' and '-', not only dots. (The Run Name at the top of "
+    "the page only labels the Prefect flow run, which is renamed after this one.)"
 )
 
 
@@ -219,6 +227,7 @@ def run_pipeline(
 
     logger = get_run_logger()
     flow_run_id = flow_run.id
+    run_folder(recipe.work_dir, run_name)  # a name that would escape the runs folder: one line, before anything
     allow_launches()  # an earlier flow run in this same process may have stopped its jobs
     _tag_flow_run(flow_run_id, ["tessera", f"recipe:{recipe.name}", run_tag(run_name)])
     with one_per_run(run_name, if_running, flow_run_id):
@@ -230,7 +239,7 @@ def _run_exclusively(
 ) -> PipelineResult:
     from prefect.runtime import flow_run
 
-    run_dir = Path(recipe.work_dir).resolve() / "runs" / run_name
+    run_dir = run_folder(recipe.work_dir, run_name)
     flow_url = flow_run.ui_url or ""
     tags = {
         "recipe_hash": recipe.content_hash(),

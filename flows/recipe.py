@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -26,7 +27,18 @@ class RecipeError(ValueError):
     """A recipe that cannot be used; str() is one line naming the file, line and field."""
 
 
-NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+# Letters, digits, '.', '_' and '-', and not only dots: names become folder names (runs/<name>, the work dir's
+# scopes), where '.' and '..' would write into the runs folder itself or beside it. No '/' ever.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+
+
+def run_folder(work_dir: str | Path, run_name: str) -> Path:
+    """<work_dir>/runs/<run_name>, refused in one line if the name would resolve anywhere else."""
+    runs = Path(work_dir).resolve() / "runs"
+    folder = (runs / run_name).resolve()
+    if folder.parent != runs or not re.fullmatch(NAME_PATTERN, run_name):
+        raise RecipeError(f"run name {run_name!r}: must name a folder inside {runs} (letters, digits, '.', '_', '-')")
+    return folder
 
 
 class Recipe(BaseModel):
@@ -100,6 +112,7 @@ class Recipe(BaseModel):
         misaligned = batch_alignment_error(self.train, self.data.seq_len, self.eval.every)
         if misaligned is not None:
             raise _CrossCheckError(*misaligned)
+        self._check_batch_split()
         if self.compute.backend == "kubernetes":
             # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
             for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):
@@ -114,6 +127,31 @@ class Recipe(BaseModel):
                     ("tracking", "tracking_uri"),
                     f"{self.tracking.tracking_uri}: pods log to "
                     "MLflow over the network; use an http(s):// tracking server",
+                )
+
+    def _check_batch_split(self) -> None:
+        """Every stage's global batch splits evenly over the ranks, and each rank's share into microbatches: the
+        trainer would fail on it after the launch, a minute in."""
+        k8s = self.compute.kubernetes if self.compute.backend == "kubernetes" else None
+        nodes = k8s.nodes if k8s is not None else 1
+        ranks = self.compute.ranks_per_node * nodes
+        per_node = (
+            "compute.kubernetes.gpus_per_node" if k8s is not None and k8s.gpus_per_node else "compute.procs_per_node"
+        )
+        spread = f"{ranks} ranks ({per_node} {self.compute.ranks_per_node} x {nodes} node{'s' * (nodes != 1)})"
+        micro = self.train.device_microbatch_size
+        for i, stage in enumerate(self.train.stages):
+            own = stage.global_batch_size is not None
+            batch = stage.global_batch_size or self.train.global_batch_size
+            loc = ("train", "stages", i, "global_batch_size") if own else ("train", "global_batch_size")
+            field = f"train.stages[{stage.name}].global_batch_size" if own else "train.global_batch_size"
+            if batch % ranks:
+                raise _CrossCheckError(loc, f"{batch} sequences do not split evenly over the {spread}")
+            share = batch // ranks
+            if micro != "auto" and micro < share and share % micro:
+                raise _CrossCheckError(
+                    ("train", "device_microbatch_size"),
+                    f"{micro} does not divide the {share} sequences each of the {spread} takes of {field} {batch}",
                 )
 
 

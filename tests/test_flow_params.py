@@ -223,3 +223,29 @@ def test_a_dead_tracking_server_at_close_never_hides_the_training_error(prefect_
     assert time.monotonic() - start < 60
     with pytest.raises(TrainingFatal, match="code 78"):
         state.result()
+
+
+@pytest.mark.parametrize("name", [".", "..", "...", "../../x", "a/b", "/etc"])
+def test_a_run_name_that_would_leave_the_runs_folder_is_refused_in_one_line(name, tmp_path, capsys):
+    """`.` and `..` matched the old pattern and wrote into runs/ itself or beside it; the CLI, the form's schema
+    and the flow (validation off) refuse every name that does not name one folder inside runs/."""
+    import re
+
+    from flows.cli import main
+    from flows.recipe import run_folder
+    from tests.conftest import tiny_recipe
+
+    assert not re.fullmatch(NAME_PATTERN, name)
+    recipe = tiny_recipe(tmp_path)
+    assert main(["run", str(recipe), "--run-name", name]) == 2
+    runs = tmp_path / "work" / "runs"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tessera: error: --run-name: run name {name!r}: must name a folder inside {runs} (letters, digits, "
+        "'.', '_', '-')"
+    ]
+    with pytest.raises(RecipeError, match=rf"^form field run_name {re.escape(repr(name))}: String should match"):
+        form_values(PipelineParams, {"recipe": str(recipe), "run_name": name})
+    with pytest.raises(RecipeError):
+        run_folder(tmp_path / "work", name)
+    assert not (tmp_path / "work").exists()  # nothing was written anywhere
+    assert run_folder(tmp_path / "work", ".hidden.v2") == runs / ".hidden.v2"  # dots are fine beside other text

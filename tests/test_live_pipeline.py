@@ -312,6 +312,25 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
         "(train.optim.lr): above 0 and at most 1.)"
     )
     assert "Traceback" not in logs(stack, unchecked["id"])
+    # a run name that would write outside the runs folder: refused by the server, and by the flow itself
+    outside = httpx.post(
+        f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run",
+        timeout=30,
+        json={"parameters": {"params": {"recipe": str(stack.recipe), "run_name": ".."}}},
+    )
+    assert outside.status_code == 409 and "run_name" in outside.text
+    unchecked = _api(
+        stack,
+        "POST",
+        f"/deployments/{deployment['id']}/create_flow_run",
+        json={
+            "parameters": {"params": {"recipe": str(stack.recipe), "run_name": ".."}},
+            "enforce_parameter_schema": False,
+        },
+    )
+    run = wait_state(stack, unchecked["id"], {"FAILED"}, timeout=300)
+    assert "RecipeError: form field run_name '..': String should match pattern" in run["state"]["message"]
+    assert "Traceback" not in logs(stack, unchecked["id"])
     run_id = trigger(stack, recipe="configs/no-such-recipe.yaml")
     deadline = time.monotonic() + 300
     while (run := flow_run(stack, run_id))["state"]["type"] not in TERMINAL:

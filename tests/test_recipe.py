@@ -132,3 +132,34 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
         f"tessera: error: {bad}:{_line_of(bad.read_text(), '{literary: 0.8}')}: "
         "train.stages.0.mixture: mixture proportions sum to 0.8, not 1"
     ]
+
+
+def test_a_batch_the_ranks_cannot_split_is_refused_before_anything_starts():
+    """global_batch_size 8 on 3 ranks passed validation and failed 62 s into `tessera run` with exit 78."""
+    text = tiny_text().replace("procs_per_node: 1", "procs_per_node: 3")
+    assert _error(text) == (
+        f"r.yaml:{_line_of(text, 'global_batch_size: 8')}: train.global_batch_size: 8 sequences do not split evenly "
+        "over the 3 ranks (compute.procs_per_node 3 x 1 node)"
+    )
+    text = (
+        tiny_text()
+        .replace("procs_per_node: 1", "procs_per_node: 2")
+        .replace("device_microbatch_size: 8", "device_microbatch_size: 3")
+    )
+    assert _error(text) == (
+        f"r.yaml:{_line_of(text, 'device_microbatch_size: 3')}: train.device_microbatch_size: 3 does not divide the 4 "
+        "sequences each of the 2 ranks (compute.procs_per_node 2 x 1 node) takes of train.global_batch_size 8"
+    )
+    # a stage with its own batch is checked on its own line; a microbatch as large as a rank's share is fine
+    text = (
+        tiny_text()
+        .replace("procs_per_node: 1", "procs_per_node: 2")
+        .replace("      mixture: {stories: 1.0}", "      mixture: {stories: 1.0}\n      global_batch_size: 3")
+        .replace("tokens: 16384\n", "tokens: 16896\n")
+    )
+    assert _error(text).startswith(
+        f"r.yaml:{_line_of(text, 'global_batch_size: 3')}: train.stages.1.global_batch_size: 3 sequences do not split "
+    )
+    assert load_recipe(TINY).train.device_microbatch_size == 8
+    ok = tiny_text().replace("procs_per_node: 1", "procs_per_node: 4")
+    assert parse_recipe(ok, "r.yaml").compute.procs_per_node == 4  # 8 over 4 ranks, microbatch clamped to 2
