@@ -221,6 +221,18 @@ def _flow_run_ended() -> type[BaseException]:
     return Abort
 
 
+def _work_dir(args: argparse.Namespace) -> str:
+    """The work dir a command writes under: its --work-dir, or its recipe's."""
+    if getattr(args, "work_dir", None):
+        return args.work_dir
+    try:
+        from flows.recipe import load_recipe
+
+        return load_recipe(args.recipe).work_dir
+    except Exception:  # noqa: BLE001 - only to name a folder in an error message
+        return "."
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_environment()
     args = build_parser().parse_args(argv)
@@ -247,6 +259,16 @@ def main(argv: list[str] | None = None) -> int:
             isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal)
         )
         return EXIT_FAILED if transient else EXIT_BAD_INPUT
+    except Exception as exc:
+        # A full disk anywhere under the work dir (prepared data, Prefect's results, a registration's copy):
+        # one line naming where, not a traceback per process that noticed.
+        from tasks.disk import full_disk
+
+        said = full_disk(exc, _work_dir(args))
+        if said is None:
+            raise
+        print(f"tessera: error: {said}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ def quiet_environment() -> None:
     # At exit Prefect's event queue warns "Still processing items" while it sends its last events (a
     # concurrency slot released, a state set): its own bookkeeping, nothing a person can act on.
     logging.getLogger("EventsWorker").setLevel(logging.ERROR)
+    # MLflow logs each failed SQLite statement with its traceback before it raises; tessera reports the error it
+    # raises in one line (an outage retried, a full disk not).
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 # A Prefect server that restarts (or is down a minute) must not fail a run that trains for days: every

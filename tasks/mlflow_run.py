@@ -22,6 +22,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking_config import TrackingConfig
+from trainers.disk import no_space
 
 RUN_NAME_TAG = "tessera.run_name"
 END_TAG = "tessera.end"
@@ -98,6 +99,8 @@ def retrying(what: str, fn: Callable[[], T], budget_s: float | None = None) -> T
         except (MlflowException, OSError, ConnectionError, TimeoutError) as exc:
             if isinstance(exc, MlflowException) and exc.get_http_status_code() < 500:
                 raise  # the server answered: the same request gets the same answer
+            if no_space(exc) is not None:  # not an outage: waiting frees no disk
+                raise TrackingError(f"{what}: MLflow's store has no space left ({_one_line(exc)})") from None
             if time.monotonic() + delay > deadline:
                 raise TrackingUnavailable(f"{what}: MLflow unreachable for {budget:.0f} s: {_one_line(exc)}") from None
             if not warned:

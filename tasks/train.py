@@ -48,6 +48,10 @@ class TrainingFatal(TrainingFailed):
     """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
 
 
+class DiskFull(TrainingFatal):
+    """The disk holding the save folder cannot take another checkpoint: a relaunch would fail the same way."""
+
+
 class DataDamaged(TrainingFatal):
     """The trainer found prepared data whose bytes are not what its index records; its done-marker is withdrawn."""
 
@@ -193,11 +197,41 @@ def train_stage(
         damage = next((d for d in map(parse_damage, job.tail(200).splitlines()) if d), None)
         if kind == "fatal" and damage is not None:
             raise DataDamaged(_withdraw_damaged(stage_name, damage, recipe_path))
+        full = _no_room_for_a_checkpoint(job_path) if compute.backend == "local" else None
+        if full is not None:  # whatever the trainer managed to say on that disk: a retry would fill it again
+            raise DiskFull(f"stage {stage_name}: {full}")
         error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
         raise error(
             f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
         )
+
+
+def _no_room_for_a_checkpoint(job_path: str) -> str | None:
+    """Why the save folder's disk cannot take the next checkpoint, or None. Checked after a failed launch, because
+    the trainer's own line about a full disk may not have reached its log, which is on that disk too."""
+    import shutil
+
+    from trainers.disk import existing, human_bytes
+    from trainers.format.checkpoints import list_complete
+    from trainers.model import checkpoint_bytes
+
+    try:
+        job = TrainJob.model_validate_json(Path(job_path).read_text())
+        folder = existing(job.save_folder)
+        usage = shutil.disk_usage(folder)
+    except (OSError, ValueError):
+        return None
+    need = checkpoint_bytes(job.model, job.vocab_size)
+    if usage.free >= need:
+        return None
+    done = list_complete(job.save_folder)
+    resume = f"the checkpoint at {done[-1].tokens:,} tokens" if done else "the start (no checkpoint was completed)"
+    return (
+        f"no space for a checkpoint: the disk holding {folder} has {human_bytes(usage.free)} free of "
+        f"{human_bytes(usage.total)}, and one checkpoint of this model takes about {human_bytes(need)}; free some "
+        f"space (or give train.save_folder a larger disk), then rerun: it resumes from {resume}"
+    )
 
 
 def _last_word(tail: str) -> str:

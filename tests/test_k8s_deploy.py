@@ -34,6 +34,7 @@ def test_rbac_grants_exactly_what_the_launcher_calls():
         ("", "pods/log"): ["get"],
         ("", "services"): sorted(["create", "get", "list", "delete"]),
         ("", "configmaps"): sorted(["create", "get", "list", "delete"]),
+        ("networking.k8s.io", "networkpolicies"): sorted(["create", "get", "list", "delete"]),
         ("", "events"): ["list"],
     }
     # every client call in the launcher maps to one of these verbs; no call outside them
@@ -49,6 +50,10 @@ def test_rbac_grants_exactly_what_the_launcher_calls():
         ("get", "service"),
         ("delete", "service"),
         ("list", "service"),
+        ("create", "network_policy"),
+        ("get", "network_policy"),
+        ("delete", "network_policy"),
+        ("list", "network_policy"),
         ("create", "job"),
         ("get", "job"),
         ("delete", "job"),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.training import can_unshare_mounts
 from trainers.config import ModelConfig, StageConfig, TrainConfig
 from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode, FatalError, classify
 from trainers.schedule import lr_multiplier, stage_bounds
@@ -845,14 +846,6 @@ def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
         type(job).model_validate(missing)
 
 
-def _can_unshare_mounts() -> bool:
-    try:
-        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
 def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str, str]) -> tuple[int, int]:
     """One rank per "node", two Composer launchers. Node 1 runs in its own mount namespace where the
     job's save folder is another directory and /dev/shm is its own: like pods on two hosts, the nodes
@@ -909,7 +902,7 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not _can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk"
+    not can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk"
 )
 def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path, sources, moto_s3):
     """Rank 1 lives on "node 1", whose disk never sees rank 0's checkpoints. It is SIGKILLed after step 7;

@@ -22,6 +22,7 @@ import errno
 from enum import IntEnum
 
 from trainers import contract
+from trainers.disk import no_space
 
 
 class ExitCode(IntEnum):
@@ -127,13 +128,13 @@ def classify(exc: BaseException) -> ExitCode:
     """
     if isinstance(exc, FatalError):
         return ExitCode.FATAL
+    if no_space(exc) is not None:  # anywhere in the chain: a relaunch fills the same disk
+        return ExitCode.FATAL
     if isinstance(exc, RetryableError):
         return ExitCode.RETRYABLE
     if isinstance(exc, _distributed_error_types()):
         return ExitCode.RETRYABLE
     if isinstance(exc, _out_of_memory_types()):
-        return ExitCode.FATAL
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ExitCode.FATAL
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return ExitCode.RETRYABLE

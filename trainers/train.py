@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from trainers.disk import full_disk_line, no_space
 from trainers.exit_codes import ExitCode, FatalError, classify, code_on_signal, decide_exit
 from trainers.jobfile import load_job
 from trainers.supervisor import supervisor_gone, watch_supervisor
@@ -29,15 +30,24 @@ def stop_on_signals() -> None:
         signal.signal(sig, lambda *_: os._exit(code_on_signal()))
 
 
+FREE_SPACE_FIX = (
+    "free some space (or give train.save_folder a larger disk), then rerun: it resumes from the last complete "
+    "checkpoint"
+)
+
+
 def fatal(exc: FatalError) -> ExitCode:
     """Leave fatal with one line; damaged prepared data is also named on stdout for the flow, which withdraws that
     output's done-marker (trainers/data_check.py)."""
     decide_exit(ExitCode.FATAL)
-    if getattr(exc, "record", None) is not None:
-        from trainers.data_check import announce
+    try:
+        if getattr(exc, "record", None) is not None:
+            from trainers.data_check import announce
 
-        announce(exc)
-    print(f"tessera.train: fatal: {exc}", file=sys.stderr)
+            announce(exc)
+        print(f"tessera.train: fatal: {exc}", file=sys.stderr, flush=True)
+    except OSError:  # the log is on a disk that is full: the exit code still says fatal
+        pass
     return ExitCode.FATAL
 
 
@@ -53,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    trainer = None
+    trainer = job = None
     try:
         job = load_job(args.job)
         if not job.train.trust_checkpoints:
@@ -87,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if first_damage() is not None:  # Streaming's download thread found it; the loop saw only a failure
             return fatal(first_damage())
+        full = no_space(exc)
+        if full is not None:  # a checkpoint, the metrics journal, a log: a relaunch would fill the same disk
+            where = job.save_folder if job is not None else "."
+            return fatal(FatalError(full_disk_line(full, where, FREE_SPACE_FIX)))
         code = classify(exc)
         if code == ExitCode.RETRYABLE and supervisor_gone():
             code = ExitCode.INTERRUPTED
@@ -108,7 +122,10 @@ if __name__ == "__main__":
     if code != ExitCode.OK:
         # After a lost peer, interpreter teardown can block on dead collectives until the launcher
         # SIGTERMs us, and the exit code would read as a signal: leave with the decided code now.
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # a full disk under the log: the code still says what happened
+                pass
         os._exit(code)
     sys.exit(code)

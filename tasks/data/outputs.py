@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from tasks.data import interrupt
 from tasks.data.errors import DataError
+from trainers.disk import NO_SPACE_ERRNOS, existing, space
 from trainers.format.atomic import atomic_write_json, fsync_path, fsync_tree
 
 DONE = "_DONE"
@@ -59,7 +60,11 @@ def permanent_errors(what: str) -> Iterator[None]:
         if exc.errno not in PERMANENT_ERRNOS:
             raise
         path = exc.filename if exc.filename is not None else "?"
-        raise DataError(str(path), f"{what}: {exc.strerror or os.strerror(exc.errno)}") from exc
+        why = exc.strerror or os.strerror(exc.errno)
+        if exc.errno in NO_SPACE_ERRNOS:  # say how much is left, and where: the disk, not this file, is the problem
+            folder = existing(os.path.dirname(os.path.abspath(path))) if path != "?" else "?"
+            why += f" ({space(folder)} on the disk holding {folder})"
+        raise DataError(str(path), f"{what}: {why}") from exc
 
 
 def ensure_root(root: str) -> None:

@@ -141,6 +141,16 @@ def run_stage(
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def can_unshare_mounts() -> bool:
+    """Whether this process may make a private mount namespace (root, or CAP_SYS_ADMIN), for tests that give a
+    process a disk of its own."""
+    try:
+        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
 def live_group_members(pgid: int) -> list[int]:
     """Pids of the processes of process group `pgid` that still run (zombies waiting to be reaped do not)."""
     alive = []

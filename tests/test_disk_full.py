@@ -1,0 +1,100 @@
+"""A work dir whose disk fills mid-run: one line naming the folder and its free space, no retry, nothing
+half-written, and a rerun after freeing space resumes from the last complete checkpoint.
+
+The work dir is a small tmpfs in a private mount namespace (`unshare -m`, root or CAP_SYS_ADMIN): the
+first checkpoint fits, the second does not. The trainer's own log is on that disk too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, tiny_recipe
+from tests.support.training import can_unshare_mounts
+
+
+def test_a_full_disk_is_found_anywhere_in_the_chain_and_is_fatal():
+    """torch raises a RuntimeError from its zip writer while handling the ENOSPC of the write that failed."""
+    from trainers.disk import no_space
+    from trainers.exit_codes import ExitCode, classify
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . unexpected pos 9555904 vs 9555792"
+            ) from None
+    except RuntimeError as wrapped:
+        assert wrapped.__cause__ is None and wrapped.__context__ is full
+        assert no_space(wrapped) is full and classify(wrapped) == ExitCode.FATAL
+    sqlite = Exception("(sqlite3.OperationalError) database or disk is full")
+    assert no_space(sqlite) is sqlite
+    assert no_space(RuntimeError("unexpected pos")) is None
+    assert classify(RuntimeError("unexpected pos")) == ExitCode.RETRYABLE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_unshare_mounts(), reason="needs `unshare -m` to give the work dir a small disk of its own")
+def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_resumes(prefect_harness, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.support.gauntlet import cut_demo_tasks
+
+    recipe = tiny_recipe(tmp_path)  # MLflow's store beside the work dir, so only the work dir fills
+    raw = yaml.safe_load(recipe.read_text())
+    raw["train"]["stages"] = [{"name": "literary", "tokens": 4096, "mixture": {"literary": 1.0}}]
+    raw["eval"] |= {
+        "every": 2048,
+        "data_root": str(cut_demo_tasks(ROOT / "data/gauntlet/eval/local_data", tmp_path / "g")),
+    }
+    recipe.write_text(yaml.safe_dump(raw))
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    tessera = shlex.join([sys.executable, "-m", "flows.cli", "run", str(recipe)])
+    checkpoints = work / "runs" / "tiny" / "checkpoints"
+    # Prepared data (~4.5 MB), one checkpoint (42.6 MB) and the logs fit in 60 MB; a second checkpoint does not.
+    script = f"""
+        mount -t tmpfs -o size=60m tmpfs {work}
+        {tessera} > {out}/run1.out 2> {out}/run1.err; echo $? > {out}/run1.rc
+        ls {checkpoints} > {out}/after1.ls; ls {checkpoints}/manifests > {out}/manifests1.ls
+        mount -o remount,size=300m tmpfs {work}
+        {tessera} > {out}/run2.out 2> {out}/run2.err; echo $? > {out}/run2.rc
+        ls {checkpoints}/manifests > {out}/manifests2.ls
+        cat {work}/runs/tiny/logs/literary/rank0.log > {out}/rank0.log
+    """
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=ROOT, env=env, check=True, timeout=900
+    )
+    first = (out / "run1.err").read_text()
+    said = [line for line in first.splitlines() if line.startswith("tessera: error: ")]
+    assert (out / "run1.rc").read_text().strip() == "2", first[-3000:]
+    assert "Traceback" not in first
+    assert said == [
+        f"tessera: error: stage literary: no space for a checkpoint: the disk holding {checkpoints} has "
+        + said[0].split(" has ", 1)[1]
+    ]
+    assert said[0].endswith(
+        "free of 62.9 MB, and one checkpoint of this model takes about 39.9 MB; free some space (or give "
+        "train.save_folder a larger disk), then rerun: it resumes from the checkpoint at 2,048 tokens"
+    )
+    assert "Retry" not in first and first.count("launched 1 rank(s)") == 1  # fatal at once: no retry filled it again
+    assert (out / "manifests1.ls").read_text().split() == ["tok-000000002048.json"]  # the cut-short save is unpublished
+    # the trainer said it too, on the full disk, when the log could still take the line
+    log = (out / "rank0.log").read_text()
+    assert f"tessera.train: fatal: no space left on the disk holding {checkpoints} (" in log
+
+    second = (out / "run2.err").read_text()
+    assert (out / "run2.rc").read_text().strip() == "0", second[-3000:]
+    assert "stage literary: resuming run tiny from the checkpoint at 2,048 tokens (step 2)" in second
+    assert (out / "manifests2.ls").read_text().split() == ["tok-000000002048.json", "tok-000000004096.json"]
