@@ -21,6 +21,7 @@ def _recipe(tmp_path, compute_section: dict) -> str:
     raw["train"]["save_folder"] = "s3://tessera-ckpt/runs"
     raw["tracking"]["tracking_uri"] = "http://mlflow.tessera.svc:5000"
     raw["compute"] = compute_section
+    raw["train"]["global_batch_size"] = 16  # one sequence per rank of the 2 x 8 GPU variants
     path = tmp_path / "k8s.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
