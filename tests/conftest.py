@@ -86,11 +86,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
-    """configs/tiny.yaml with its work dir, data root, MLflow store and artifacts under `base`."""
+def tiny_raw() -> dict:
+    """configs/tiny.yaml as a dict, with the tests' small tokenizer (tests/support/test_tokenizer.py says why)."""
     import yaml
 
+    from tests.support.test_tokenizer import PATH
+
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw["data"]["tokenizer"]["path"] = str(PATH)
+    return raw
+
+
+def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
+    """configs/tiny.yaml (with the tests' small tokenizer) with its work dir, data root, MLflow store and artifacts
+    under `base`."""
+    import yaml
+
+    raw = tiny_raw()
     raw["work_dir"] = str(base / "work")
     raw["data"]["root"] = str(data_root or base / "work" / "data")
     raw["tracking"]["tracking_uri"] = f"sqlite:///{base / 'mlflow.db'}"

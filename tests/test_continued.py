@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tiny_raw
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ STORIES = ROOT / "data" / "corpora" / "tinystories" / "tinystories_val.txt"
 
 
 def _recipe(tmp: Path) -> Path:
-    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw = tiny_raw()
     raw["work_dir"] = str(tmp / "work")
     raw["data"]["root"] = str(tmp / "work" / "data")
     raw["tracking"] |= {

@@ -275,7 +275,7 @@ def test_a_ui_run_survives_a_60s_tracking_outage_and_records_everything(live_sta
 
     # what was run: params, the resolved recipe and the job, the code, and the way back to Prefect
     assert mlrun.data.params["stage.literary.tokens"] == "32768" and mlrun.data.params["train.optim.lr"] == "0.003"
-    assert mlrun.data.params["data.vocab_size"] == "50277"
+    assert mlrun.data.params["data.vocab_size"] == "4096"  # the tests' small tokenizer
     tags = mlrun.data.tags
     assert tags["tessera.prefect.flow_run_id"] == run_id and run_id in tags["tessera.prefect.flow_run_url"]
     assert tags["tessera.recipe_path"] == str(stack.recipe) and len(tags["tessera.git_sha"]) >= 40

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tiny_raw
 
 pytestmark = pytest.mark.slow
 
 
 def tiny_recipe_in(tmp_path) -> str:
-    raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    raw = tiny_raw()
     raw["work_dir"] = str(tmp_path / "work")
     raw["data"]["root"] = str(tmp_path / "work" / "data")
     raw["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -60,7 +60,15 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
     raw = yaml.safe_load(recipe.read_text())  # a shorter curriculum: 24 steps, a checkpoint every 8
     raw["train"]["stages"][0]["tokens"], raw["train"]["stages"][1]["tokens"], raw["eval"]["every"] = 16384, 8192, 8192
     recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(home)}
+    # The flow must outlive the server's return by more than a lease renewal period (45 s), so that its renewal
+    # meets the expired lease: the second stage's launch waits 60 s before it trains (asleep, no CPU spent).
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api,
+        "PREFECT_HOME": str(home),
+        "TESSERA_FAULT": "stall-launch:60",
+        "TESSERA_FAULT_STAGE": "1",
+    }
     server = start_server(home, port, log)
     run = None
     try:
@@ -97,7 +105,7 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
         again = subprocess.run(
             [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
             cwd=ROOT,
-            env=env,
+            env={k: v for k, v in env.items() if not k.startswith("TESSERA_FAULT")},
             capture_output=True,
             text=True,
             timeout=600,

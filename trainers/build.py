@@ -32,7 +32,7 @@ from trainers.data import (
 )
 from trainers.data_check import DamagedData, announce, verify_streams
 from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
-from trainers.faults import Probe
+from trainers.faults import Probe, maybe_stall
 from trainers.format.mlflow_model import download_model
 from trainers.format.safe_load import refusal
 from trainers.layout import RunFolder
@@ -330,6 +330,7 @@ def _refused_as_fatal(plan: StartPlan):
 def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     """Join the launch's process group, decide where the stage starts (rank 0 repairs and plans; the plan
     reaches every rank), clear a killed launch's shared memory, and say where it starts."""
+    maybe_stall("launch", stage_index)  # test hook: a launch that is slow to start
     _, world_size = world()
     if world_size > 1:
         # One process group for the whole launch, made before anything else needs one: Streaming's

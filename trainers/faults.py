@@ -2,7 +2,8 @@
 
 One module holds every hook, so what a test can do to a trainer is read in one place:
 `TESSERA_FAULT=<point>:<tokens>` (step, save, published: SIGKILL there; nan: poison that step),
-`TESSERA_FAULT=stall-<point>:<seconds>`, `TESSERA_FAULT_RANK=<r>` (only on that rank) and
+`TESSERA_FAULT=stall-<point>:<seconds>` (node: a node's checkpoint fetch; launch: a launch's start, before it
+plans), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in stage k) and
 `TESSERA_SAMPLE_LOG=<file>` (what each step trained on).
 """
 
@@ -22,10 +23,12 @@ from composer.utils import dist
 FAULT_ENV = "TESSERA_FAULT"
 
 
-def maybe_stall(point: str) -> None:
-    """`TESSERA_FAULT=stall-<point>:<seconds>`: this rank is slow there (a large download, say)."""
+def maybe_stall(point: str, stage: int | None = None) -> None:
+    """`TESSERA_FAULT=stall-<point>:<seconds>`: this rank is slow there (a large download, say); with
+    `TESSERA_FAULT_STAGE=<k>`, only in stage k's launches."""
     spec = os.environ.get(FAULT_ENV, "")
-    if spec.startswith(f"stall-{point}:"):
+    only = os.environ.get("TESSERA_FAULT_STAGE")
+    if spec.startswith(f"stall-{point}:") and (only is None or stage is None or int(only) == stage):
         time.sleep(float(spec.split(":", 1)[1]))
 
 
