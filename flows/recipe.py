@@ -28,8 +28,9 @@ class RecipeError(ValueError):
 
 
 # Letters, digits, '.', '_' and '-', and not only dots: names become folder names (runs/<name>, the work dir's
-# scopes), where '.' and '..' would write into the runs folder itself or beside it. No '/' ever.
-NAME_PATTERN = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+# scopes), where '.' and '..' would write into the runs folder itself or beside it. No '/' ever. {0,} rather than *:
+# the Prefect UI shows a refused value's pattern as markdown, where two * turn into italics.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{0,}[A-Za-z0-9_-][A-Za-z0-9_.-]{0,}$"
 
 
 def run_folder(work_dir: str | Path, run_name: str) -> Path:
