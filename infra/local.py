@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from infra.config import ComputeConfig
 from infra.joblog import JobLog
 from infra.lifecycle import forget, launching
 from infra.ranks import first_crash
+from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder
 
 # The trainer's side of the contract (trainers/supervisor.py reads it): infra imports only that module of trainers.
+from trainers.contract import HEARTBEAT_DIR_ENV, WATCHDOG_ENV
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 
@@ -45,9 +48,38 @@ class LocalJob:
     stopped: bool = False  # cancelled by its owner (cancel_all), not lost to the outside world
     # Stops from outside that the job absorbed by restarting itself; a local job restarts nothing.
     preemptions: int = 0
+    hung: Hang | None = None  # what the watchdog saw before it killed the group
 
     def __post_init__(self) -> None:
         self._log = JobLog(self.log_path, self.log_offset)
+
+    def watch(self, watchdog: Watchdog) -> threading.Thread:
+        """Judge the ranks' heartbeats until the job ends; a hung group's stacks go to the log, then it is killed
+        (SIGCONT first: a stopped process does not die of SIGKILL until it runs), which reads as a preemption."""
+
+        def run() -> None:
+            while self.process.poll() is None and not self.stopped:
+                hang = watchdog.check()
+                if hang is not None and not self.stopped:
+                    self._kill_hung(watchdog, hang)
+                    return
+                time.sleep(watchdog.budgets.poll_s)
+
+        thread = threading.Thread(target=run, name="tessera-watchdog", daemon=True)
+        thread.start()
+        return thread
+
+    def _kill_hung(self, watchdog: Watchdog, hang: Hang) -> None:
+        group = self.process.pid
+        _signal_group(group, signal.SIGCONT)
+        stacks = watchdog.stacks()
+        self.hung = hang
+        with open(self.log_path, "a") as log:
+            log.write(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")
+            log.write(stacks + "\n")
+            log.write("tessera.watchdog: killed the group; the flow relaunches it from the last checkpoint\n")
+        _signal_group(group, signal.SIGCONT)
+        _signal_group(group, signal.SIGKILL)
 
     def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
         """Complete lines of rank 0's output written since the last call (this launch's only)."""
@@ -128,15 +160,24 @@ class LocalBackend:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / "rank0.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: str(os.getpid()), **(env or {})}
+        budgets = Budgets.from_json(env.get(WATCHDOG_ENV))
+        watchdog = None
+        if budgets is not None:
+            beats = fresh_folder(log_dir / "heartbeats")
+            env[HEARTBEAT_DIR_ENV] = str(beats)
+            watchdog = Watchdog(beats, budgets, list(range(self.cfg.ranks_per_node)))
         with launching() as live:
             with open(log_path, "ab") as log:
                 process = subprocess.Popen(
                     self.command(module, args, log_dir),
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: str(os.getpid()), **(env or {})},
+                    env=env,
                     start_new_session=True,
                 )
             job = LocalJob(process=process, log_path=log_path, log_offset=offset)
             live.add(job)
+        if watchdog is not None:
+            job.watch(watchdog)
         return job

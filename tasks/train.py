@@ -26,6 +26,8 @@ from prefect.states import Cancelled
 from infra import allow_launches, backend_for, stopping
 from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
+from infra.watchdog import budgets_env
+from tasks import launch_ledger
 from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
@@ -54,6 +56,10 @@ class DiskFull(TrainingFatal):
 
 class DataDamaged(TrainingFatal):
     """The trainer found prepared data whose bytes are not what its index records; its done-marker is withdrawn."""
+
+
+class NoProgress(TrainingFatal):
+    """Relaunches that keep ending without a new checkpoint: the stage stops instead of burning its budget."""
 
 
 class PreemptionBudgetSpent(TrainingFailed):
@@ -138,7 +144,7 @@ def _run_once(job, relay: ProgressRelay) -> int:
 @task(
     retries=2,
     retry_delay_seconds=5,
-    retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent),
+    retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent),  # NoProgress is a TrainingFatal
     cache_policy=NO_CACHE,
     task_run_name="train-{stage_name}",
 )
@@ -160,51 +166,114 @@ def train_stage(
     """
     logger = get_run_logger()
     backend = backend_for(compute)
+    spec = TrainJob.model_validate_json(Path(job_path).read_text())
+    run_dir = Path(log_dir).parent
+    env = {HOLDER_ENV: holder} if holder else {}
+    if spec.train.watchdog.enabled:  # the launcher runs the watchdog beside the ranks with these budgets
+        env |= budgets_env(spec.train.watchdog.model_dump())
     preemptions = 0
     while True:
+        before, started = _newest_tokens(spec, compute), time.time()
         job = backend.launch(
             "trainers.train",
             ["--job", job_path, "--stage", str(stage_index)],
             log_dir=Path(log_dir) / stage_name,
-            env={HOLDER_ENV: holder} if holder else None,
+            env=env or None,
         )
         logger.info(
             "stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path
         )
         code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))
         preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
-        kind = exit_kind(code)
+        kind, hang = exit_kind(code), getattr(job, "hung", None)
+        launch_ledger.append(
+            run_dir,
+            {
+                "stage": stage_name,
+                "started": started,
+                "ended": time.time(),
+                "code": code,
+                "kind": kind,
+                "hung": hang.to_json() if hang is not None else None,
+                "tokens_before": before,
+                "tokens_after": _newest_tokens(spec, compute),
+                "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
+            },
+        )
         if kind == "ok":
             return code
         if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
             # a stop is not this task's failure: grey Cancelled, not red Failed, in the run's graph
             return Cancelled(message=f"stage {stage_name}: the trainer was stopped because its flow run is ending")
         last = _last_word(job.tail(200))
+        _stop_if_fatal(job, kind, stage_name, job_path, recipe_path, compute, logger)
+        _stop_without_progress(run_dir, stage_name, spec, last, job.log_path)
         if kind == "preempted" and preemptions < compute.max_preemptions:
             preemptions += 1
+            cause = (
+                f"the watchdog found {hang.line()}; it killed the group after writing every rank's stacks to "
+                f"{job.log_path}"
+                if hang is not None
+                else f"the job was stopped from outside (exit {code}: {last[:200]})"
+            )
             logger.warning(
-                "stage %s: the job was stopped from outside (exit %d: %s); relaunching from the last checkpoint "
-                "(preemption %d of compute.max_preemptions=%d)",
+                "stage %s: %s; relaunching from the last checkpoint (preemption %d of compute.max_preemptions=%d)",
                 stage_name,
-                code,
-                last[:200],
+                cause,
                 preemptions,
                 compute.max_preemptions,
             )
             time.sleep(PREEMPTION_DELAY_S)
             continue
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
-        damage = next((d for d in map(parse_damage, job.tail(200).splitlines()) if d), None)
-        if kind == "fatal" and damage is not None:
-            raise DataDamaged(_withdraw_damaged(stage_name, damage, recipe_path))
-        full = _no_room_for_a_checkpoint(job_path) if compute.backend == "local" else None
-        if full is not None:  # whatever the trainer managed to say on that disk: a retry would fill it again
-            raise DiskFull(f"stage {stage_name}: {full}")
         error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
         raise error(
             f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
         )
+
+
+def _stop_if_fatal(job, kind: str, stage_name: str, job_path: str, recipe_path: str, compute, logger) -> None:
+    """Faults no relaunch fixes, classified before any: damaged prepared data, a disk with no room for a checkpoint."""
+    damage = next((d for d in map(parse_damage, job.tail(200).splitlines()) if d), None)
+    if kind == "fatal" and damage is not None:
+        logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
+        raise DataDamaged(_withdraw_damaged(stage_name, damage, recipe_path))
+    full = _no_room_for_a_checkpoint(job_path) if compute.backend == "local" else None
+    if full is not None:  # whatever the trainer managed to say on that disk: a retry would fill it again
+        logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
+        raise DiskFull(f"stage {stage_name}: {full}")
+
+
+def _stop_without_progress(run_dir: Path, stage_name: str, spec: TrainJob, last: str, log_path) -> None:
+    """K launches of the stage in a row (its Prefect retries included) that ended without a new checkpoint: stop as
+    fatal, instead of spending the rest of the preemption budget on a run that is going nowhere."""
+    limit = spec.train.watchdog.no_progress_launches
+    streak = launch_ledger.no_progress_streak(launch_ledger.read(run_dir), stage_name)
+    if streak >= limit:
+        newest = launch_ledger.read(run_dir)[-1].get("tokens_after") or 0
+        raise NoProgress(
+            f"stage {stage_name}: {streak} launches in a row ended without a new checkpoint (the newest is at "
+            f"{newest:,} tokens; train.watchdog.no_progress_launches={limit}); stopping instead of relaunching "
+            f"again. The last one ended: {last[:200]} (see {log_path})"
+        )
+
+
+def _newest_tokens(spec: TrainJob, compute: ComputeConfig) -> int:
+    """The tokens of the run's newest complete checkpoint: where the trainer writes it (the s3 mirror when the
+    ranks run in pods, whose disks the flow never sees)."""
+    from trainers.format.checkpoints import list_complete
+
+    try:
+        if compute.backend != "local" and spec.remote_folder:
+            from trainers.remote import RemoteFolder
+
+            done = RemoteFolder(spec.remote_folder).complete()
+        else:
+            done = list_complete(spec.save_folder)
+    except Exception:  # noqa: BLE001 - an unreadable folder counts as no progress, never as a failure here
+        return 0
+    return max((c.tokens for c in done), default=0)
 
 
 def _no_room_for_a_checkpoint(job_path: str) -> str | None:

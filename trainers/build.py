@@ -21,9 +21,9 @@ from composer.algorithms import GradientClipping
 from composer.core import Event
 from composer.models import HuggingFaceModel
 
-from trainers import folder_lock
+from trainers import folder_lock, heartbeat
 from trainers import model as model_lib
-from trainers.callbacks import LossGuard, MlflowMetrics, Progress
+from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
 from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, Stage, TrainJob
 from trainers.data import (
     build_stage_data,
@@ -213,6 +213,23 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     return plan, skip
 
 
+def _checkpoint_bytes(job: TrainJob) -> int:
+    return model_lib.checkpoint_bytes(job.model, job.vocab_size)
+
+
+def _data_bytes(job: TrainJob, stage_index: int) -> int:
+    """The bytes a launch's data check reads: the stage's local shards as their indexes record them."""
+    stage = job.stage(stage_index)
+    total = 0
+    for path in [stage.streams[name] for name in stage.config.mixture] + list(job.val_streams.values()):
+        if "://" in path:
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            shards = json.loads((Path(path) / "index.json").read_text())["shards"]
+            total += sum(s["raw_data"]["bytes"] for s in shards)
+    return total
+
+
 def _verify_data(job: TrainJob, stage_index: int) -> None:
     """Every shard this node reads in the stage (its mixture and the held-out splits) against its index's hash
     (trainers/data_check.py): a damaged one is a fatal DamagedData naming it, before anything trains."""
@@ -292,6 +309,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
+    heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
     with _refused_as_fatal(plan):
         trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
     if plan.kind == "enter":
@@ -331,6 +349,8 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     """Join the launch's process group, decide where the stage starts (rank 0 repairs and plans; the plan
     reaches every rank), clear a killed launch's shared memory, and say where it starts."""
     maybe_stall("launch", stage_index)  # test hook: a launch that is slow to start
+    # Planning may download the checkpoint to resume from and verifies the stage's data: budgeted by their size.
+    heartbeat.phase("plan", hint_bytes=_checkpoint_bytes(job) + _data_bytes(job, stage_index))
     _, world_size = world()
     if world_size > 1:
         # One process group for the whole launch, made before anything else needs one: Streaming's
@@ -399,6 +419,7 @@ def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> t
     rng = RestoreRng()
     callbacks = [
         rng,  # first: nothing may draw random numbers before a resumed run has its saved state back
+        Heartbeat(stage.name),  # before the saver: the stage's end is "close" while the last uploads finish
         schedule,
         # Before the saver: a bad step must never be checkpointed.
         LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver, job.vocab_size),

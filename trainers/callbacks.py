@@ -1,4 +1,4 @@
-"""Composer callbacks: metrics to MLflow, progress lines, the loss guard, and test probes."""
+"""Composer callbacks: metrics to MLflow, progress lines, the heartbeat, the loss guard, and test probes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from trainers import heartbeat
 from trainers.config import LossGuardConfig, MlflowTarget
 from trainers.exit_codes import LossAnomaly
 from trainers.metrics_outbox import Outbox, close_wait_s, marker_path, read_marker
@@ -208,6 +209,58 @@ class Progress(Callback):
         }
         print(format_progress(record), file=sys.stdout, flush=True)
         self._last = (now, tokens)
+
+
+class Heartbeat(Callback):
+    """This rank's heartbeat through Composer's loop (trainers/heartbeat.py): first_step until the first step of the
+    launch ends, then data (waiting for a batch) and step (forward, backward, optimizer) in turn, eval while the
+    held-out batches are scored, close after the last step. Each step's compute time teaches the watchdog its
+    step budget. A no-op when the launcher asked for no heartbeat."""
+
+    def __init__(self, stage_name: str):
+        self.stage_name = stage_name
+        self.first = True
+        self._data_started = self._step_started = 0.0
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        beat = heartbeat.current()
+        if beat is not None:
+            beat.set(stage=self.stage_name)
+            beat.phase("first_step")
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        self._data_started = time.perf_counter()
+        if not self.first:
+            heartbeat.phase("data")
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        self._step_started = time.perf_counter()
+        if not self.first:
+            heartbeat.phase("step")
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        beat = heartbeat.current()
+        if beat is None:
+            return
+        compute_s = None if self.first else time.perf_counter() - self._step_started
+        beat.progress(int(state.timestamp.batch), int(state.timestamp.token), compute_s)
+        if self.first:
+            self.first = False
+            beat.phase("step")
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        heartbeat.phase("eval")
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        beat = heartbeat.current()
+        if beat is not None:
+            beat.progress()
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        heartbeat.phase("step")
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        heartbeat.phase("close")
 
 
 class LossGuard(Callback):

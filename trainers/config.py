@@ -131,6 +131,49 @@ class LossGuardConfig(_Strict):
     )
 
 
+class WatchdogConfig(_Strict):
+    """How long each phase of a launch may go without progress before the watchdog beside the ranks declares it
+    hung, dumps every rank's stacks, kills the group and relaunches it from the last checkpoint (a preemption).
+
+    A step's budget is learned: step_factor x the 99th percentile of the launch's recent steps, never under
+    step_floor_s. Size-bound phases (plan, load, save, close) get their base plus the bytes they move at
+    bytes_per_s, so a 7B model's 84 GB checkpoint save gets 600 s + 28 min before it can trip anything.
+    """
+
+    enabled: bool = Field(True, description="Watch the ranks; off: only a collective's own timeout notices a hang.")
+    startup_s: float = Field(
+        1800, gt=0, description="Process start to the rendezvous and the start plan (imports, peers arriving)."
+    )
+    plan_s: float = Field(900, gt=0, description="The start plan, plus its checkpoint download and data check.")
+    load_s: float = Field(600, gt=0, description="Loading the checkpoint the launch resumes from, plus its bytes.")
+    first_step_s: float = Field(
+        900, gt=0, description="The launch's first step: first batch, kernels compiled, memory allocated."
+    )
+    data_s: float = Field(600, gt=0, description="Waiting for one batch (a shard fetched from s3 included).")
+    step_floor_s: float = Field(60, gt=0, description="The least a step's budget can be.")
+    step_factor: float = Field(
+        10, gt=1, description="A step's budget is this times the 99th percentile of the launch's recent steps."
+    )
+    eval_s: float = Field(900, gt=0, description="One held-out batch scored.")
+    save_s: float = Field(600, gt=0, description="A checkpoint save, plus its bytes at bytes_per_s.")
+    close_s: float = Field(900, gt=0, description="The stage's end: metrics delivered, uploads finished.")
+    bytes_per_s: float = Field(
+        50e6, gt=0, description="The slowest disk or network a size-bound phase is allowed (bytes per second)."
+    )
+    poll_s: float = Field(2, gt=0, description="How often the watchdog reads the heartbeats.")
+    no_progress_launches: PositiveInt = Field(
+        3,
+        description="Launches of a stage in a row that end without a new checkpoint before the stage stops as "
+        "fatal instead of relaunching again.",
+    )
+    slow_rank_factor: float = Field(
+        1.5, gt=1, description="A rank whose steps compute this much slower than the median rank's is reported."
+    )
+    slow_rank_every_steps: PositiveInt = Field(
+        50, description="Steps between two comparisons of the ranks' timings (through the store, off the hot path)."
+    )
+
+
 class ParallelismConfig(_Strict):
     """How ranks share the model on GPUs. On CPU ranks always run plain DDP over gloo."""
 
@@ -196,6 +239,10 @@ class TrainConfig(_Strict):
     )
     loss_guard: LossGuardConfig = Field(
         default_factory=lambda: LossGuardConfig(), description="NaN / loss-spike detection and rollback."
+    )
+    watchdog: WatchdogConfig = Field(
+        default_factory=lambda: WatchdogConfig(),
+        description="Hang detection: how long each phase may go without progress before the group is relaunched.",
     )
     stages: list[StageConfig] = Field(..., min_length=1, description="Curriculum stages, trained in order.")
 

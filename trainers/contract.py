@@ -20,6 +20,16 @@ MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
 # (the downward API), elsewhere unset: MASTER_ADDR, the address the launcher gave every rank.
 STORE_BIND_ENV = "TESSERA_STORE_BIND"
 
+# Where each rank writes its heartbeat (`rank<R>.json`, trainers/heartbeat.py) and, asked by SIGUSR1, its Python
+# stacks (`stacks-rank<R>.txt`), for the watchdog beside the ranks (infra/watchdog.py); set per launch by the launcher.
+HEARTBEAT_DIR_ENV = "TESSERA_HEARTBEAT_DIR"
+# The watchdog's budgets (JSON of trainers.config.WatchdogConfig's fields), handed by the flow to the launcher.
+WATCHDOG_ENV = "TESSERA_WATCHDOG"
+# What a rank is doing, as its heartbeat says: each phase has its own budget for going without progress.
+PHASES = ("startup", "plan", "load", "first_step", "data", "step", "eval", "save", "close")
+HEARTBEAT_BYTES = 2048  # a heartbeat file's fixed size: rewritten in place, never truncated under a reader
+STACK_SIGNAL = "SIGUSR1"  # asks a rank to write every thread's Python stack (faulthandler)
+
 # Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
 # 2 (argparse usage) and 128+N (killed by signal N).
 OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78

@@ -16,8 +16,9 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from trainers import heartbeat
 from trainers.config import Stage, TrainJob
-from trainers.faults import maybe_fault
+from trainers.faults import maybe_fault, maybe_stall
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.layout import RunFolder
@@ -67,11 +68,18 @@ class PublishingCheckpointSaver(CheckpointSaver):
         )
 
     def _save_checkpoint(self, state: State, logger: Logger) -> None:
+        # The watchdog gives a save a budget by its size (about 12 bytes a parameter: weights, Adam's moments).
+        heartbeat.phase("save", hint_bytes=12 * sum(p.numel() for p in state.model.parameters()))
         latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
         try:
+            maybe_stall("save", self.run_stage.index)  # test hook: a save that hangs
             super()._save_checkpoint(state, logger)
         finally:
             self.latest_filename = latest
+        self._publish(state)
+        heartbeat.phase("step")
+
+    def _publish(self, state: State) -> None:
         tokens = int(state.timestamp.token.value)
         self.last_saved_tokens = tokens
         if dist.get_global_rank() != 0:

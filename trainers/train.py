@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from trainers import heartbeat
 from trainers.disk import full_disk_line, no_space
 from trainers.exit_codes import ExitCode, FatalError, classify, code_on_signal, decide_exit
 from trainers.jobfile import load_job
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     watch_supervisor()  # first: a rank still importing torch must not outlive its flow either
+    heartbeat.start()  # and the watchdog beside the ranks sees this one from its first second
     stop_on_signals()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

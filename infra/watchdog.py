@@ -1,0 +1,238 @@
+"""The watchdog beside the ranks: a rank that makes no progress for longer than its phase allows is hung.
+
+It runs outside the rank processes (locally in the launching task, infra/local.py; on Kubernetes in the
+pod's entrypoint, infra/pod_launch.py) and reads the heartbeat each rank of this node rewrites in
+TESSERA_HEARTBEAT_DIR (trainers/heartbeat.py; the names are trainers/contract.py's). A rank is hung
+when `now - beat` exceeds its phase's budget (`Budgets.of`): the learned step budget, a size-bound
+save or load, a first step, an eval batch. Then `stacks()` wakes every rank (SIGCONT: a stopped
+process must really die), has each write its Python stacks (py-spy where installed, else
+faulthandler on SIGUSR1), and the caller kills the whole group, which the flow relaunches from the
+last checkpoint as a preemption. Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainers.contract import HEARTBEAT_DIR_ENV, PHASES, WATCHDOG_ENV
+
+STACKS_WAIT_S = 3.0  # for every rank's faulthandler to write its stacks
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """trainers.config.WatchdogConfig's fields, as the flow hands them to the launcher (TESSERA_WATCHDOG)."""
+
+    enabled: bool = True
+    startup_s: float = 1800
+    plan_s: float = 900
+    load_s: float = 600
+    first_step_s: float = 900
+    data_s: float = 600
+    step_floor_s: float = 60
+    step_factor: float = 10
+    eval_s: float = 900
+    save_s: float = 600
+    close_s: float = 900
+    bytes_per_s: float = 50e6
+    poll_s: float = 2
+    no_progress_launches: int = 3
+    slow_rank_factor: float = 1.5
+    slow_rank_every_steps: int = 50
+
+    @classmethod
+    def from_json(cls, text: str | None) -> Budgets | None:
+        """The budgets a launch's environment carries; None when it asks for no watchdog."""
+        if not text:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        budgets = cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        return budgets if budgets.enabled else None
+
+    def of(self, beat: dict) -> tuple[float, str]:
+        """(seconds, how they were reckoned) that `beat`'s phase may go without progress."""
+        phase = beat.get("phase", "startup")
+        if phase == "step":
+            p99 = beat.get("step_p99_s")
+            learned = self.step_factor * p99 if p99 else 0.0
+            if learned > self.step_floor_s:
+                return learned, f"{self.step_factor:g} x the recent steps' p99 of {p99:.2f} s"
+            return self.step_floor_s, f"the step floor; {self.step_factor:g} x p99 {p99 or 0:.2f} s is less"
+        base = getattr(self, f"{phase}_s", self.startup_s)
+        hint = int(beat.get("hint_bytes") or 0)
+        if hint:
+            extra = hint / self.bytes_per_s
+            return base + extra, f"{base:.0f} s + {hint / 1e9:.2f} GB at {self.bytes_per_s / 1e6:.0f} MB/s"
+        return base, f"the {phase} budget"
+
+
+def budgets_env(budgets: dict) -> dict[str, str]:
+    """The launch environment that asks for a watchdog with these budgets (WatchdogConfig.model_dump())."""
+    return {WATCHDOG_ENV: json.dumps(budgets)}
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R, S, D, T: stopped, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+@dataclass
+class Hang:
+    """What the watchdog saw: the rank it blames, and every rank's phase and silence."""
+
+    rank: int
+    pid: int | None
+    host: str
+    node: str
+    phase: str
+    silent_s: float
+    budget_s: float
+    why: str
+    stopped: bool = False
+    ranks: list[dict] = field(default_factory=list)
+
+    def line(self) -> str:
+        where = self.host if self.node in (self.host, "") else f"{self.host} on node {self.node}"
+        stopped = ", its process stopped (SIGSTOP)" if self.stopped else ""
+        others = [r for r in self.ranks if r["rank"] != self.rank]
+        also = ""
+        if others:
+            also = "; " + ", ".join(f"rank {r['rank']} in {r['phase']} {r['silent_s']:.0f} s" for r in others)
+        pid = f", pid {self.pid}" if self.pid else ""
+        return (
+            f"rank {self.rank} ({where}{pid}) hung in phase {self.phase} for {self.silent_s:.0f} s, over its "
+            f"{self.budget_s:.0f} s budget ({self.why}){stopped}{also}"
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Watchdog:
+    """The heartbeats of one node's ranks, judged against their budgets."""
+
+    def __init__(self, folder: Path, budgets: Budgets, ranks: list[int], started: float | None = None):
+        self.folder, self.budgets, self.ranks = Path(folder), budgets, ranks
+        self.started = time.time() if started is None else started
+        self._last: dict[int, dict] = {}
+
+    def beats(self) -> dict[int, dict]:
+        """Each rank's latest heartbeat; a file caught mid-rewrite keeps the one read before."""
+        for rank in self.ranks:
+            try:
+                text = (self.folder / f"rank{rank}.json").read_bytes().decode(errors="replace").strip()
+                beat = json.loads(text)
+            except (OSError, ValueError):
+                continue
+            if isinstance(beat, dict) and beat.get("phase") in PHASES:
+                self._last[rank] = beat
+        return dict(self._last)
+
+    def check(self, now: float | None = None) -> Hang | None:
+        """The hang to act on now, or None: the stopped rank if one is, else the one silent longest."""
+        now = time.time() if now is None else now
+        beats = self.beats()
+        over: list[Hang] = []
+        seen: list[dict] = []
+        for rank in self.ranks:
+            beat = beats.get(rank)
+            if beat is None:  # not even started its heartbeat: a rank stuck before Python ran its first line
+                silent, budget, why = now - self.started, self.budgets.startup_s, "the startup budget, no heartbeat"
+                beat = {"rank": rank, "phase": "startup", "host": "", "node": "", "pid": None}
+            else:
+                silent = now - float(beat.get("beat", now))
+                budget, why = self.budgets.of(beat)
+            seen.append({"rank": rank, "phase": beat["phase"], "silent_s": round(silent, 1)})
+            if silent > budget:
+                pid = beat.get("pid")
+                over.append(
+                    Hang(
+                        rank=rank,
+                        pid=pid,
+                        host=beat.get("host", ""),
+                        node=beat.get("node", ""),
+                        phase=beat["phase"],
+                        silent_s=silent,
+                        budget_s=budget,
+                        why=why,
+                        stopped=pid is not None and process_state(pid) == "T",
+                    )
+                )
+        if not over:
+            return None
+        stopped = [h for h in over if h.stopped]
+        hang = stopped[0] if stopped else max(over, key=lambda h: h.silent_s)
+        hang.ranks = seen
+        return hang
+
+    def pids(self) -> list[int]:
+        return [int(b["pid"]) for b in self.beats().values() if b.get("pid")]
+
+    def stacks(self) -> str:
+        """Every rank's Python stacks, as text for the stage log. Wakes stopped ranks first (SIGCONT)."""
+        pids = self.pids()
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
+        spy = shutil.which("py-spy")
+        parts: list[str] = []
+        if spy:
+            for pid in pids:
+                try:
+                    out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+                    parts.append(f"--- py-spy dump of pid {pid}\n{out.stdout or out.stderr}")
+                except (OSError, subprocess.TimeoutExpired) as exc:
+                    parts.append(f"--- py-spy dump of pid {pid} failed: {exc}")
+            if all("failed" not in p for p in parts):
+                return "\n".join(parts)
+        before = {rank: self._stack_size(rank) for rank in self.ranks}
+        for pid in pids:
+            _signal(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline and any(self._stack_size(r) <= before[r] for r in self.ranks):
+            time.sleep(0.1)
+        for rank in self.ranks:
+            path = self.folder / f"stacks-rank{rank}.txt"
+            try:
+                text = path.read_bytes()[before[rank] :].decode(errors="replace").strip()
+            except OSError:
+                text = ""
+            text = text or "(none written: the rank did not answer)"
+            parts.append(f"--- rank {rank}: Python stacks (faulthandler)\n{text}")
+        return "\n".join(parts)
+
+    def _stack_size(self, rank: int) -> int:
+        try:
+            return (self.folder / f"stacks-rank{rank}.txt").stat().st_size
+        except OSError:
+            return 0
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def fresh_folder(folder: Path) -> Path:
+    """The launch's heartbeat folder, emptied of an earlier launch's files (their pids are gone)."""
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+__all__ = ["Budgets", "Hang", "Watchdog", "HEARTBEAT_DIR_ENV", "budgets_env", "fresh_folder", "process_state"]

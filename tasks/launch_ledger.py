@@ -1,0 +1,59 @@
+"""The launches of a run, one JSON line each, written by the stage task as each launch ends.
+
+What the flow alone knows about a launch: when it was started and ended, how it ended (exit code and
+kind, a hang the watchdog saw), and the run's newest checkpoint before and after it. Two readers:
+the no-progress stop (`no_progress_streak`: launches in a row that ended without a new checkpoint,
+counted across the stage task's Prefect retries, which start with no memory of their own) and the
+goodput ledger (tasks/goodput.py), which adds what the trainer recorded inside each launch.
+
+`<run_dir>/ledger/launches.jsonl`, appended and fsynced per record; a line cut short by a crash is
+skipped on reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trainers.format.atomic import fsync_path
+
+
+def path(run_dir: Path) -> Path:
+    return Path(run_dir) / "ledger" / "launches.jsonl"
+
+
+def append(run_dir: Path, record: dict) -> None:
+    target = path(run_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(target.parent)
+
+
+def read(run_dir: Path) -> list[dict]:
+    try:
+        lines = path(run_dir).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # cut short by a crash mid-append
+    return records
+
+
+def no_progress_streak(records: list[dict], stage: str) -> int:
+    """How many of `stage`'s latest launches in a row failed or were preempted without a checkpoint newer than the
+    one they started from (a launch its own flow stopped, a cancel, ends the count)."""
+    streak = 0
+    for record in reversed([r for r in records if r.get("stage") == stage]):
+        ended_well = record.get("kind") == "ok" or record.get("stopped")  # done, or stopped by its flow (a cancel)
+        if ended_well or (record.get("tokens_after") or 0) > (record.get("tokens_before") or 0):
+            break
+        streak += 1
+    return streak

@@ -1,0 +1,247 @@
+"""A run that stalls is caught: heartbeats, the watchdog's budgets, the kill and the relaunch, the no-progress stop.
+
+The slow tests run the stage task itself (`tasks.train.train_stage`, in a Prefect flow on the session's
+API) over real 2-rank trainers (Composer's launcher, gloo), freeze ranks with SIGSTOP or hang a save with a
+fault hook, and check what the watchdog did, what the flow said, and the weights the run ended with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.watchdog import Budgets, Watchdog, process_state
+from trainers.config import StageConfig, WatchdogConfig
+
+SEQ, BATCH = 32, 8
+STEP = SEQ * BATCH
+
+
+# ------------------------------------------------------------------ budgets and judgement, without training
+
+
+def _beat(folder: Path, rank: int, **fields) -> None:
+    record = {"rank": rank, "pid": None, "host": "h", "node": "n", "phase": "step", "beat": time.time(), **fields}
+    (folder / f"rank{rank}.json").write_text(json.dumps(record).ljust(2048))
+
+
+def test_each_phase_has_its_budget_and_the_step_budget_is_learned():
+    b = Budgets()
+    assert b.of({"phase": "step", "step_p99_s": 0.05}) == (60, "the step floor; 10 x p99 0.05 s is less")
+    assert b.of({"phase": "step", "step_p99_s": 9.0}) == (90.0, "10 x the recent steps' p99 of 9.00 s")
+    # a 7B model's checkpoint (about 12 bytes a parameter) gets its bytes at 50 MB/s on top of the save budget
+    seconds, why = b.of({"phase": "save", "hint_bytes": 84_000_000_000})
+    assert seconds == 600 + 1680 and why == "600 s + 84.00 GB at 50 MB/s"
+    assert b.of({"phase": "first_step"})[0] == 900 and b.of({"phase": "eval"})[0] == 900
+    # the recipe's train.watchdog reaches the launcher as JSON with the same fields
+    assert Budgets.from_json(json.dumps(WatchdogConfig(step_floor_s=5).model_dump())) == Budgets(step_floor_s=5)
+    assert Budgets.from_json(json.dumps(WatchdogConfig(enabled=False).model_dump())) is None
+    assert {f for f in WatchdogConfig.model_fields} == set(Budgets.__dataclass_fields__)
+
+
+def test_the_stopped_rank_is_blamed_and_a_silent_start_is_seen(tmp_path):
+    now = time.time()
+    _beat(tmp_path, 0, beat=now - 100, pid=os.getpid())  # waits in a collective for its peer
+    _beat(tmp_path, 1, beat=now - 70, pid=None)
+    dog = Watchdog(tmp_path, Budgets(), [0, 1], started=now - 200)
+    hang = dog.check(now)
+    assert (hang.rank, hang.phase, round(hang.silent_s), hang.budget_s) == (0, "step", 100, 60)
+    assert [r["rank"] for r in hang.ranks] == [0, 1]
+    assert Watchdog(tmp_path, Budgets(step_floor_s=200), [0, 1]).check(now) is None
+    # a rank with no heartbeat at all is judged on the startup budget from the launch
+    assert Watchdog(tmp_path, Budgets(), [0, 1, 2], started=now - 10).check(now + 1).rank == 0
+    late = Watchdog(tmp_path, Budgets(startup_s=5, step_floor_s=500), [2], started=now - 10).check(now)
+    assert (late.rank, late.phase, late.why) == (2, "startup", "the startup budget, no heartbeat")
+
+
+def test_a_heartbeat_is_one_fixed_size_file_rewritten_in_place(tmp_path, monkeypatch):
+    from trainers import heartbeat
+
+    monkeypatch.setenv("TESSERA_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setattr(heartbeat, "_BEAT", [])
+    beat = heartbeat.start()
+    heartbeat.phase("save", hint_bytes=123)
+    for k in range(300):
+        beat.progress(k, k * STEP, compute_s=0.01 * (k % 100))
+    text = (tmp_path / "rank0.json").read_bytes()
+    record = json.loads(text.decode().strip())
+    assert len(text) == 2048 and record["phase"] == "save" and record["step"] == 299
+    assert record["step_p99_s"] == 0.99 and record["pid"] == os.getpid() and record["hint_bytes"] == 123
+
+
+# ------------------------------------------------------------------ real ranks
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from tests.support.training import write_mds
+
+    return str(write_mds(tmp_path_factory.mktemp("data") / "a", 600, SEQ, 512, seed=1))
+
+
+def _job(root: Path, source: str, steps: int = 48, **watchdog):
+    from tests.support.training import tiny_job, write_job
+
+    job = tiny_job(
+        root,
+        {"a": source},
+        [StageConfig(name="s", tokens=steps * STEP, mixture={"a": 1.0})],
+        seq_len=SEQ,
+        global_batch_size=BATCH,
+        checkpoint_every_tokens=16 * STEP,
+        watchdog=WatchdogConfig(poll_s=1, **watchdog),
+    )
+    return job, write_job(job, root / "job.json")
+
+
+def _run_stage(job_path: Path, ranks: int = 2):
+    """The stage task in a flow, as the pipeline runs it; returns (its result or exception, the flow run's logs)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.context import get_run_context
+
+    from infra.config import ComputeConfig
+    from tasks.train import train_stage
+
+    ids = []
+
+    @flow(name="one-stage")
+    def one_stage():
+        ids.append(get_run_context().flow_run.id)
+        return train_stage(str(job_path), 0, "s", ComputeConfig(procs_per_node=ranks), str(job_path.parent / "logs"))
+
+    try:
+        outcome = one_stage()
+    except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+        outcome = exc
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200)
+    return outcome, [entry.message for entry in logs]
+
+
+def _heartbeat(job_path: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((job_path.parent / "logs" / "s" / "heartbeats" / f"rank{rank}.json").read_bytes().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _freeze_when(job_path: Path, step: int, ranks: list[int], group: bool, frozen: list):
+    """In a thread: once rank 0 has passed `step`, SIGSTOP `ranks` (or, with `group`, their whole process group)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            beats = [_heartbeat(job_path, r) for r in (0, 1)]
+            if all(b and (b.get("step") or 0) >= step for b in beats):
+                pids = [beats[r]["pid"] for r in ranks]
+                if group:
+                    os.killpg(os.getpgid(pids[0]), signal.SIGSTOP)
+                else:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGSTOP)
+                frozen.append((time.time(), [b["pid"] for b in beats]))
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _model(job) -> dict:
+    from trainers.format.checkpoints import list_complete
+    from trainers.format.safe_load import load
+
+    return load(list_complete(job.save_folder)[-1].path)["state"]["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, source):
+    """The job trained by two ranks, uninterrupted."""
+    from tests.support.training import run_stage
+
+    job, job_path = _job(tmp_path_factory.mktemp("ref"), source)
+    proc = run_stage(job_path, 0, procs=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _model(job)
+
+
+def _ledger(job_path: Path) -> list[dict]:
+    from tasks import launch_ledger
+
+    return launch_ledger.read(job_path.parent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "frozen_ranks, group, floor",
+    [([1], False, 10.0), ([0, 1], True, 60.0)],
+    ids=["one-rank-10s-floor", "whole-group-default-budgets"],
+)
+def test_a_frozen_rank_or_group_is_killed_within_its_budget_and_the_run_ends_bitwise_equal(
+    prefect_harness, reference, tmp_path, source, frozen_ranks, group, floor
+):
+    """SIGSTOP rank 1 (or the whole trainer's process group, its launcher included) mid-stage: the watchdog sees no
+    progress past the step budget, writes every rank's stacks to the stage log, wakes and kills the group; the
+    stage task relaunches it as a preemption, and the run ends with the uninterrupted run's weights."""
+    import torch
+
+    job, job_path = _job(tmp_path, source, step_floor_s=floor)
+    frozen: list = []
+    _freeze_when(job_path, 20, frozen_ranks, group, frozen)
+    outcome, logs = _run_stage(job_path)
+    assert outcome == 0, outcome
+    stopped_at, pids = frozen[0]
+    first, second = _ledger(job_path)
+    hung = first["hung"]
+    assert first["kind"] == "preempted" and first["code"] == -9 and second["kind"] == "ok"
+    assert hung["rank"] in frozen_ranks and hung["phase"] == "step" and hung["stopped"]
+    assert floor <= hung["silent_s"] <= floor + 5 and hung["budget_s"] == floor
+    assert first["ended"] - stopped_at < floor + 30 < 120  # detected and killed well within two minutes
+    said = [m for m in logs if "the watchdog found" in m]
+    assert len(said) == 1 and f"the watchdog found rank {hung['rank']} (" in said[0]
+    assert f"hung in phase step for {hung['silent_s']:.0f} s, over its {floor:.0f} s budget" in said[0]
+    assert (
+        "its process stopped (SIGSTOP)" in said[0]
+        and "relaunching from the last checkpoint (preemption 1 of" in (said[0])
+    )
+    log = (tmp_path / "logs" / "s" / "rank0.log").read_text()
+    assert "--- rank 0: Python stacks (faulthandler)" in log and "--- rank 1: Python stacks (faulthandler)" in log
+    assert "in _train_batch" in log  # where rank 0 was: inside the training step
+    assert all(process_state(pid) is None for pid in pids)  # no stopped process left behind
+    mine = _model(job)
+    assert all(torch.equal(mine[k], v) for k, v in reference.items())
+
+
+@pytest.mark.slow
+def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_progress_stop_the_stage(
+    prefect_harness, tmp_path, source, monkeypatch
+):
+    """Every launch hangs in its first checkpoint save (a fault hook): the watchdog names phase save on the save
+    budget, not the step's 60 s; two launches in a row without a new checkpoint stop the stage as fatal."""
+    from tasks.train import NoProgress
+
+    monkeypatch.setenv("TESSERA_FAULT", "stall-save:600")
+    job, job_path = _job(tmp_path, source, save_s=6, bytes_per_s=1e12, no_progress_launches=2)
+    started = time.time()
+    outcome, logs = _run_stage(job_path)
+    assert isinstance(outcome, NoProgress), outcome
+    assert str(outcome).startswith(
+        "stage s: 2 launches in a row ended without a new checkpoint (the newest is at 0 tokens; "
+        "train.watchdog.no_progress_launches=2); stopping instead of relaunching again."
+    )
+    launches = _ledger(job_path)
+    assert [r["kind"] for r in launches] == ["preempted", "preempted"]
+    for record in launches:
+        assert record["hung"]["phase"] == "save" and 6 <= record["hung"]["budget_s"] < 7
+        assert record["hung"]["silent_s"] < 12
+    assert time.time() - started < 120
+    assert sum("hung in phase save" in m for m in logs) == 1  # the second hang ended the stage instead
