@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from uuid import UUID
 
 from tasks.artifacts import artifact_key
-from trainers.progress import parse_progress, parse_start
+from trainers.progress import parse_progress, parse_ranks, parse_start
 
 # At least this often a running stage says where it is, even when the trainer prints more often.
 RELAY_EVERY_S = 15.0
@@ -51,6 +51,23 @@ def describe_start(run_name: str, s: dict) -> str:
         return f"stage {s['stage']}: already complete at {s['tokens']:,} tokens; nothing to train"
     base = f" from the weights of {s['init_from']}" if s.get("init_from") else ""
     return f"stage {s['stage']}: starting run {run_name} fresh{base}"
+
+
+def describe_slow_rank(stage: str, report: dict) -> str:
+    """A slow rank, in one line: which, where, how much slower, and where its peers' time went."""
+    slowest = report["slowest"]
+    mine = next(r for r in report["ranks"] if r["rank"] == slowest["rank"])
+    others = [r for r in report["ranks"] if r["rank"] != slowest["rank"]]
+    where = slowest["host"] if slowest["node"] == slowest["host"] else f"{slowest['host']} on node {slowest['node']}"
+    waits = ""
+    if others and all(r.get("collective_s") is not None for r in others):
+        waits = f"; the other ranks wait {max(r['collective_s'] for r in others):.3f} s a step in collectives"
+    ratio = report["slowest_over_median"]
+    return (
+        f"stage {stage}: rank {slowest['rank']} ({where}) is slow: its steps compute {ratio:.2f}x "
+        f"the median rank's ({mine['compute_s']:.3f} s a step{waits}), over the {report['steps']} steps up to step "
+        f"{report['step']:,} (train.watchdog.slow_rank_factor {report['factor']:g})"
+    )
 
 
 def progress_bar(fraction: float, width: int = 20) -> str:
@@ -103,6 +120,7 @@ class ProgressRelay:
         self._bar = None
         self._rate = Rate()
         self._smoothed: float | None = None
+        self._slow: int | None = None  # the rank said to be slow, until the ranks even out
 
     def feed(self, lines: Iterable[str]) -> None:
         for line in lines:
@@ -114,9 +132,24 @@ class ProgressRelay:
             start = parse_start(line)
             if start is not None:
                 self.logger.info(describe_start(self.run_name, start))
+                continue
+            ranks = parse_ranks(line)
+            if ranks is not None:
+                self._slow_rank(ranks)
         self._update_bar()
         if self.latest is not None and time.monotonic() - self._last_report >= self.every_s:
             self.report()
+
+    def _slow_rank(self, report: dict) -> None:
+        """Say a slow rank once when it turns slow (and again if another rank becomes the slow one)."""
+        slowest = report["slowest"]
+        if not report["slow"]:
+            self._slow = None
+            return
+        if self._slow == slowest["rank"]:
+            return
+        self._slow = slowest["rank"]
+        self.logger.warning(describe_slow_rank(self.stage, report))
 
     def report(self) -> None:
         """Log the newest progress now (also at the end of a launch, so the last state is always said)."""

@@ -245,3 +245,36 @@ def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_prog
         assert record["hung"]["silent_s"] < 12
     assert time.time() - started < 120
     assert sum("hung in phase save" in m for m in logs) == 1  # the second hang ended the stage instead
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_reported_with_its_rank(prefect_harness, tmp_path, source, monkeypatch, mlflow_uri):
+    """Rank 1 computes 0.15 s longer each step (a fault hook): rank 0 compares the ranks' timings every 8 steps
+    through the store; the flow says once which rank is slow; MLflow gets ranks/slowest_over_median and a tag."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.support.training import write_job
+    from trainers.config import MlflowTarget
+    from trainers.progress import parse_ranks
+
+    monkeypatch.setenv("TESSERA_FAULT", "slow:0.15")
+    monkeypatch.setenv("TESSERA_FAULT_RANK", "1")
+    client = MlflowClient(mlflow_uri)
+    run_id = client.create_run(client.create_experiment("slow")).info.run_id
+    job, _ = _job(tmp_path, source, steps=32, slow_rank_every_steps=8)
+    job = job.model_copy(update={"mlflow": MlflowTarget(tracking_uri=mlflow_uri, run_id=run_id)})
+    job_path = write_job(job, tmp_path / "job.json")
+    outcome, logs = _run_stage(job_path)
+    assert outcome == 0, outcome
+    said = [m for m in logs if " is slow: " in m]
+    assert len(said) == 1 and said[0].startswith("stage s: rank 1 (") and "the other ranks wait" in said[0], said
+    reports = [r for r in map(parse_ranks, (tmp_path / "logs" / "s" / "rank0.log").read_text().splitlines()) if r]
+    assert [r["step"] for r in reports] == [8, 16, 24, 32]
+    for report in reports[1:]:  # the first window holds the first step's warm-up
+        assert report["slowest"]["rank"] == 1 and report["slow"], report
+        fast, slow = sorted(report["ranks"], key=lambda r: r["rank"])
+        assert slow["compute_s"] > fast["compute_s"] + 0.1 and fast["collective_s"] > slow["collective_s"]
+    history = client.get_metric_history(run_id, "ranks/slowest_over_median")
+    assert sorted(m.step for m in history) == [8 * STEP, 16 * STEP, 24 * STEP, 32 * STEP]
+    assert all(m.value > 1.5 for m in history if m.step > 8 * STEP)
+    assert client.get_run(run_id).data.tags["tessera.slow_rank"].startswith("rank 1 (")

@@ -39,6 +39,7 @@ from trainers.layout import RunFolder
 from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.progress import format_start
+from trainers.rank_timing import RankTiming
 from trainers.remote import fetch_folder
 from trainers.rendezvous import init_process_group
 from trainers.rng import RestoreRng
@@ -420,6 +421,7 @@ def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> t
     callbacks = [
         rng,  # first: nothing may draw random numbers before a resumed run has its saved state back
         Heartbeat(stage.name),  # before the saver: the stage's end is "close" while the last uploads finish
+        RankTiming(job.train.watchdog.slow_rank_every_steps, job.train.watchdog.slow_rank_factor, metrics),
         schedule,
         # Before the saver: a bad step must never be checkpointed.
         LossGuard(job.train.loss_guard, stage_index, plan.tokens, skip, saver, job.vocab_size),

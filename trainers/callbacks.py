@@ -126,6 +126,15 @@ class MlflowMetrics(Callback):
         if checkpoint or time.monotonic() - self._last_flush > self.flush_every_s:
             self.flush()
 
+    def note(self, tokens: int | None, row: dict[str, float], tags: dict[str, str] | None = None) -> None:
+        """A row (at `tokens`) or tags from elsewhere in the trainer, through the same outbox: thread-safe."""
+        if self.outbox is None:
+            return
+        if tags:
+            self.outbox.put(None, tags=tags)
+        if row and tokens is not None and tokens > self.logged_until:
+            self.outbox.put(tokens, row)
+
     def _crossed(self, tokens: int) -> bool:
         every = self.flush_every_tokens
         return tokens // every > (tokens - self.step_tokens) // every

@@ -63,12 +63,18 @@ class Probe(Callback):
     the global sample indices the step trained on (per rank) and the rank-averaged loss.
     TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
     TESSERA_FAULT=nan:<tokens>: the step that ends at <tokens> computes a NaN loss.
+    TESSERA_FAULT=slow:<seconds>: every step computes <seconds> longer (on TESSERA_FAULT_RANK only): a straggler.
     """
 
     def __init__(self):
         self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
 
     def batch_start(self, state: State, logger: Logger) -> None:
+        spec = os.environ.get(FAULT_ENV, "")
+        if spec.startswith("slow:") and os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK")) == os.environ.get(
+            "RANK", "0"
+        ):
+            time.sleep(float(spec.split(":", 1)[1]))
         if os.environ.get(FAULT_ENV) == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
             # Test hook: poison one weight so this step's forward really produces a NaN loss.
             with torch.no_grad():

@@ -22,6 +22,13 @@ Before any of them, rank 0 prints one `tessera.start {json}` line saying where t
     tokens, step            the run's tokens and optimizer steps at the start point
     checkpoint              the checkpoint loaded (null when fresh), and `written`, its time (UTC ISO 8601)
 
+With several ranks, rank 0 prints one `tessera.ranks {json}` line every train.watchdog.slow_rank_every_steps steps
+(trainers/rank_timing.py):
+    step, tokens, steps     where the comparison was made, over how many steps
+    ranks                   each rank's mean data_s, compute_s and collective_s, with its host and node
+    slowest                 the rank whose compute stands out (rank, host, node), slowest_over_median its ratio
+    factor, slow            the recipe's slow_rank_factor, and whether the ratio is above it
+
 A launch that finds its prepared data damaged (trainers/data_check.py) prints one `tessera.damaged {json}`
 line before it exits fatal:
     source, path            the source and the MDS folder (local, or the s3:// URI it streams)
@@ -40,6 +47,8 @@ START_PREFIX = "tessera.start"
 START_FIELDS = ("stage", "stage_index", "kind", "tokens", "step", "checkpoint", "written")
 INTERVAL_ENV = "TESSERA_PROGRESS_S"
 DEFAULT_INTERVAL_S = 10.0
+RANKS_PREFIX = "tessera.ranks"
+RANKS_FIELDS = ("step", "tokens", "ranks", "slowest", "slowest_over_median", "slow")
 DAMAGE_PREFIX = "tessera.damaged"
 DAMAGE_FIELDS = ("source", "path", "shard", "samples", "why")
 FIELDS = ("stage", "stage_index", "step", "tokens", "stage_start", "stage_end", "loss", "tokens_per_sec", "elapsed_s")
@@ -85,3 +94,12 @@ def format_damage(record: Mapping[str, object]) -> str:
 def parse_damage(line: str) -> dict | None:
     """The record of a damage line, or None for any other line."""
     return _parse(line, DAMAGE_PREFIX, DAMAGE_FIELDS)
+
+
+def format_ranks(report: Mapping[str, object]) -> str:
+    """The line comparing the ranks' step timings, for a report holding RANKS_FIELDS."""
+    return f"{RANKS_PREFIX} {json.dumps(dict(report), separators=(',', ':'))}"
+
+
+def parse_ranks(line: str) -> dict | None:
+    return _parse(line, RANKS_PREFIX, RANKS_FIELDS)
