@@ -63,6 +63,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Where a run's wall time went: its goodput ledger, from the run's own files."""
+    from flows.recipe import RecipeError, load_recipe, run_folder
+    from tasks.goodput import BUCKETS, WORDS, for_job
+    from tasks.train import TrainJob
+
+    recipe = load_recipe(args.recipe)
+    run_dir = run_folder(recipe.work_dir, args.run)
+    job_file = run_dir / "job.json"
+    if not job_file.is_file():
+        raise RecipeError(f"{job_file}: no such run in {recipe.work_dir} (`tessera run` writes it)")
+    goodput = for_job(run_dir, TrainJob.model_validate_json(job_file.read_text()))
+    if not goodput.launches:
+        print(f"run {args.run}: no launch recorded yet")
+        return 0
+    print(
+        f"run {args.run}: goodput {goodput.ratio:.1%} over {goodput.wall_s:,.0f} s of wall time, "
+        f"{goodput.launches} launch(es), {goodput.tokens:,} tokens"
+    )
+    width = max(len(WORDS[b]) for b in BUCKETS)
+    for bucket in BUCKETS:
+        seconds = goodput.buckets[bucket]
+        print(f"  {WORDS[bucket]:<{width}}  {seconds:>10,.1f} s  {seconds / goodput.wall_s:6.1%}")
+    for stage, buckets in goodput.stages.items():
+        wall = sum(buckets.values())
+        print(f"  stage {stage}: {buckets['productive'] / wall if wall else 0:.1%} productive of {wall:,.0f} s")
+    return 0
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deploy import DeployError, deploy
 
@@ -174,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--output-dir", default=None, help="Default: <work_dir>/compare/<a>-vs-<b>.")
     cmp_.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     cmp_.set_defaults(func=cmd_compare)
+
+    stat = sub.add_parser("status", help="Where a run's wall time went: its goodput ledger.")
+    stat.add_argument("run", help="The run's name.")
+    stat.add_argument("--recipe", default="configs/tiny.yaml", help="Recipe whose work_dir holds the run.")
+    stat.set_defaults(func=cmd_status)
 
     dep = sub.add_parser("deploy", help="Publish prefect.yaml's deployments to the Prefect server in PREFECT_API_URL.")
     dep.add_argument(

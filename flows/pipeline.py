@@ -46,6 +46,7 @@ from tasks.train import (
     allow_launches,
     deliver_metrics,
     make_job,
+    report_goodput,
     stop_launched_jobs,
     train_stage,
     write_job,
@@ -110,6 +111,7 @@ def _train_and_watch(
             queue.sweep(save_folder)
         training.result()
         queue.sweep(save_folder)
+        report_goodput(job, str(run_dir), stage.name)
     deliver_metrics(job)
 
 

@@ -81,6 +81,11 @@ class KubernetesJob:
         return self._group.preemptions
 
     @property
+    def pending_s(self) -> float:
+        """Seconds the group waited in the cluster's queue (suspended, or a pod unschedulable)."""
+        return self._group.pending_s
+
+    @property
     def restarts(self) -> int:
         """Restarts after application failures."""
         return self._group.restarts

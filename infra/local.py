@@ -96,6 +96,8 @@ class LocalJob:
         launcher logs the rank it saw crash first, and that is the code that says what happened.
         """
         code = self.process.wait(timeout)
+        if self.hung is not None:  # the watchdog killed the group: what the dying launcher saw is its consequence
+            return -signal.SIGKILL
         if code != 0:
             first = self._first_crash()
             if first is not None:

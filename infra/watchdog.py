@@ -34,6 +34,7 @@ class Budgets:
     enabled: bool = True
     startup_s: float = 1800
     plan_s: float = 900
+    download_s: float = 600
     load_s: float = 600
     first_step_s: float = 900
     data_s: float = 600
@@ -41,6 +42,7 @@ class Budgets:
     step_factor: float = 10
     eval_s: float = 900
     save_s: float = 600
+    upload_s: float = 600
     close_s: float = 900
     bytes_per_s: float = 50e6
     poll_s: float = 2
@@ -142,11 +144,12 @@ class Watchdog:
         return dict(self._last)
 
     def check(self, now: float | None = None) -> Hang | None:
-        """The hang to act on now, or None: the stopped rank if one is, else the one silent longest."""
+        """The hang to act on now, or None. Once any rank is past its budget, a rank whose process is stopped is
+        the one blamed (its peers wait for it in a collective); otherwise the one silent longest."""
         now = time.time() if now is None else now
         beats = self.beats()
-        over: list[Hang] = []
-        seen: list[dict] = []
+        judged: list[Hang] = []
+        over = False
         for rank in self.ranks:
             beat = beats.get(rank)
             if beat is None:  # not even started its heartbeat: a rank stuck before Python ran its first line
@@ -155,27 +158,26 @@ class Watchdog:
             else:
                 silent = now - float(beat.get("beat", now))
                 budget, why = self.budgets.of(beat)
-            seen.append({"rank": rank, "phase": beat["phase"], "silent_s": round(silent, 1)})
-            if silent > budget:
-                pid = beat.get("pid")
-                over.append(
-                    Hang(
-                        rank=rank,
-                        pid=pid,
-                        host=beat.get("host", ""),
-                        node=beat.get("node", ""),
-                        phase=beat["phase"],
-                        silent_s=silent,
-                        budget_s=budget,
-                        why=why,
-                        stopped=pid is not None and process_state(pid) == "T",
-                    )
+            over = over or silent > budget
+            pid = beat.get("pid")
+            judged.append(
+                Hang(
+                    rank=rank,
+                    pid=pid,
+                    host=beat.get("host", ""),
+                    node=beat.get("node", ""),
+                    phase=beat["phase"],
+                    silent_s=silent,
+                    budget_s=budget,
+                    why=why,
+                    stopped=pid is not None and process_state(pid) == "T",
                 )
+            )
         if not over:
             return None
-        stopped = [h for h in over if h.stopped]
-        hang = stopped[0] if stopped else max(over, key=lambda h: h.silent_s)
-        hang.ranks = seen
+        stopped = [h for h in judged if h.stopped]
+        hang = stopped[0] if stopped else max((h for h in judged if h.silent_s > h.budget_s), key=lambda h: h.silent_s)
+        hang.ranks = [{"rank": h.rank, "phase": h.phase, "silent_s": round(h.silent_s, 1)} for h in judged]
         return hang
 
     def pids(self) -> list[int]:

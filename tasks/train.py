@@ -186,7 +186,8 @@ def train_stage(
         code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))
         preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
         kind, hang = exit_kind(code), getattr(job, "hung", None)
-        launch_ledger.append(
+        _record_launch(
+            logger,
             run_dir,
             {
                 "stage": stage_name,
@@ -198,6 +199,7 @@ def train_stage(
                 "tokens_before": before,
                 "tokens_after": _newest_tokens(spec, compute),
                 "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
+                "pending_s": round(getattr(job, "pending_s", 0.0), 3),  # in the cluster's queue (Kubernetes)
             },
         )
         if kind == "ok":
@@ -231,6 +233,15 @@ def train_stage(
         raise error(
             f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
         )
+
+
+def _record_launch(logger, run_dir: Path, record: dict) -> None:
+    """Append the launch to the run's ledger. A ledger the disk cannot take is said and passed over: the launch's
+    outcome decides what happens next, and a full disk is classified from the save folder right after."""
+    try:
+        launch_ledger.append(run_dir, record)
+    except OSError as exc:
+        logger.warning("could not record the launch in %s (%s)", launch_ledger.path(run_dir), exc)
 
 
 def _stop_if_fatal(job, kind: str, stage_name: str, job_path: str, recipe_path: str, compute, logger) -> None:
@@ -327,6 +338,30 @@ def _withdraw_damaged(stage_name: str, damage: dict, recipe_path: str) -> str:
         f"stage {stage_name}: prepared data of source {damage['source']} is damaged: {shard} in {folder} "
         f"{damage['why']}; {marker}, so {prepare} prepares it again (and a rerun of this run does, before it resumes)"
     )
+
+
+@task(cache_policy=NO_CACHE, task_run_name="goodput-{stage_name}")
+def report_goodput(job: TrainJob, run_dir: str, stage_name: str) -> float | None:
+    """At a stage's end: where the run's wall time went so far (tasks/goodput.py), as a Prefect artifact and in
+    MLflow. A report: it never fails the run."""
+    from tasks.goodput import report
+
+    try:
+        goodput = report(run_dir, job)
+    except Exception as exc:  # noqa: BLE001
+        get_run_logger().warning("stage %s: the goodput report failed: %s", stage_name, exc)
+        return None
+    if goodput.launches:
+        get_run_logger().info(
+            "stage %s: goodput %.1f%% of %.0f s (productive %.0f s, lost %.0f s, hung %.0f s)",
+            stage_name,
+            100 * goodput.ratio,
+            goodput.wall_s,
+            goodput.buckets["productive"],
+            goodput.buckets["lost"],
+            goodput.buckets["hung"],
+        )
+    return goodput.ratio
 
 
 @task(cache_policy=NO_CACHE)

@@ -145,6 +145,7 @@ class WatchdogConfig(_Strict):
         1800, gt=0, description="Process start to the rendezvous and the start plan (imports, peers arriving)."
     )
     plan_s: float = Field(900, gt=0, description="The start plan, plus its checkpoint download and data check.")
+    download_s: float = Field(600, gt=0, description="Fetching a checkpoint from the s3 save folder, plus its bytes.")
     load_s: float = Field(600, gt=0, description="Loading the checkpoint the launch resumes from, plus its bytes.")
     first_step_s: float = Field(
         900, gt=0, description="The launch's first step: first batch, kernels compiled, memory allocated."
@@ -156,6 +157,7 @@ class WatchdogConfig(_Strict):
     )
     eval_s: float = Field(900, gt=0, description="One held-out batch scored.")
     save_s: float = Field(600, gt=0, description="A checkpoint save, plus its bytes at bytes_per_s.")
+    upload_s: float = Field(600, gt=0, description="The stage's last uploads to the s3 save folder, plus their bytes.")
     close_s: float = Field(900, gt=0, description="The stage's end: metrics delivered, uploads finished.")
     bytes_per_s: float = Field(
         50e6, gt=0, description="The slowest disk or network a size-bound phase is allowed (bytes per second)."

@@ -65,13 +65,22 @@ class Beat:
             "timing": None,
         }
         self.compute_s: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self.started = now  # the process's start, to within its interpreter's start-up
+        self._spent: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._write()
 
     def phase(self, name: str, hint_bytes: int = 0) -> None:
         assert name in PHASES, name
         now = time.time()
+        self._spent[self.record["phase"]] += now - self.record["since"]
         self.record.update(phase=name, since=now, beat=now, hint_bytes=int(hint_bytes))
         self._write()
+
+    def spent(self) -> dict[str, float]:
+        """Seconds this process has spent in each phase so far (the goodput ledger's raw material)."""
+        spent = dict(self._spent)
+        spent[self.record["phase"]] += time.time() - self.record["since"]
+        return {k: round(v, 3) for k, v in spent.items()}
 
     def progress(self, step: int | None = None, tokens: int | None = None, compute_s: float | None = None) -> None:
         if compute_s is not None:

@@ -18,6 +18,7 @@ Object names mirror the local ones: `<run>-s<K>-tok<T>-rank0.pt`, `manifests/tok
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from trainers import heartbeat
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.format import checkpoints
@@ -138,8 +140,13 @@ class RemoteFolder:
         name = Path(info.path).name
         target = folder / name
         log.info("downloading %s (%d tokens) from %s", name, info.tokens, self.uri)
+        size = 0
+        with contextlib.suppress(Exception):  # the size only sizes the watchdog's budget
+            size = int(self.store.get_object_size(name))
+        heartbeat.phase("download", hint_bytes=size)
         # download_object writes a temp file and renames: a kill mid-download leaves no .pt behind.
         self.store.download_object(name, str(target), overwrite=True)
+        heartbeat.phase("plan")
         if not is_intact(target):
             discard(target)
             raise RetryableError(f"train.save_folder: {self.uri}/{name} downloaded incomplete")
@@ -169,6 +176,14 @@ class RemoteFolder:
             staged.unlink(missing_ok=True)
 
         self._pending.append((self._uploader.submit(upload), info))
+
+    def pending_bytes(self) -> int:
+        """What is still to upload, for the watchdog's budget of the stage's last uploads."""
+        total = 0
+        for _, info in self._pending:
+            with contextlib.suppress(OSError):
+                total += Path(info.path).stat().st_size
+        return total
 
     def poll(self, keep: int | None, block: bool = False) -> None:
         """Publish remote manifests for finished uploads, in save order; raise an upload's error."""

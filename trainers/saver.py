@@ -16,7 +16,7 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from trainers import heartbeat
+from trainers import heartbeat, time_ledger
 from trainers.config import Stage, TrainJob
 from trainers.faults import maybe_fault, maybe_stall
 from trainers.format import checkpoints
@@ -99,6 +99,8 @@ class PublishingCheckpointSaver(CheckpointSaver):
         if self.remote is not None:
             self.remote.upload_async(info)
         self.run_folder.keep_last(self.keep_last_k)
+        # Where this launch's time went, up to a checkpoint that stays (the goodput ledger reads it)
+        self._record_time(tokens, final=False)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         super().batch_end(state, logger)
@@ -108,7 +110,15 @@ class PublishingCheckpointSaver(CheckpointSaver):
     def fit_end(self, state: State, logger: Logger) -> None:
         super().fit_end(state, logger)
         if self.remote is not None:  # the stage is done only when its checkpoints are up
+            heartbeat.phase("upload", hint_bytes=self.remote.pending_bytes())
             self.remote.poll(self.keep_last_k, block=True)
+            heartbeat.phase("close")
+        if dist.get_global_rank() == 0:
+            self._record_time(int(state.timestamp.token.value), final=True)
+
+    def _record_time(self, tokens: int, final: bool) -> None:
+        folder = self.run_folder
+        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, self.remote)
 
     def post_close(self) -> None:
         super().post_close()

@@ -1,0 +1,219 @@
+"""The goodput ledger: where a run's wall time went, from what the flow and the trainer already record.
+
+Two sources, no new instrumentation:
+- the flow's launch ledger (tasks/launch_ledger.py): each launch's start, end, how it ended, and a hang's
+  silence before the watchdog killed it;
+- each launch's time records (trainers/time_ledger.py): rank 0's seconds per heartbeat phase, written
+  at every checkpoint and at the stage's end, so they count only work a checkpoint kept.
+
+The buckets, which add up to the wall time from the first launch's start to the last one's end:
+    productive  steps that a checkpoint kept (the data wait and step phases)
+    startup     launching the processes, imports, the rendezvous, planning, the first step (compile)
+    load        loading the checkpoint a launch starts from, and downloading it
+    save        checkpoint saves the step loop waited for, and the stage's last uploads
+    eval        held-out batches scored at checkpoints
+    lost        a launch's work after its last checkpoint, when it then failed: re-trained by the next
+    hung        the silence before the watchdog killed a hung group
+    pending     time a group waited in the cluster's queue before its pods ran (Kubernetes)
+    idle        between launches (the relaunch delay, a Prefect retry) and a process's own exit
+goodput = productive / wall.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks import launch_ledger
+from trainers import time_ledger
+
+BUCKETS = ("productive", "startup", "load", "save", "eval", "lost", "hung", "pending", "idle")
+WORDS = {
+    "productive": "productive training (steps a checkpoint kept)",
+    "startup": "startup (launch to the first step)",
+    "load": "checkpoint load and download",
+    "save": "checkpoint saves and final uploads",
+    "eval": "held-out evaluation",
+    "lost": "lost: steps re-trained after a failure",
+    "hung": "hung (before the watchdog's kill)",
+    "pending": "pending in the cluster's queue",
+    "idle": "between launches, and process exits",
+}
+
+
+@dataclass
+class Goodput:
+    wall_s: float = 0.0
+    buckets: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    launches: int = 0
+    tokens: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.buckets["productive"] / self.wall_s if self.wall_s > 0 else 0.0
+
+    def markdown(self, run_name: str) -> str:
+        rows = [
+            f"### Goodput of run {run_name}: {self.ratio:.1%}",
+            "",
+            f"{self.launches} launch(es), {self.tokens:,} tokens; the wall time runs from the first launch's start "
+            "to the last one's end.",
+            "",
+            "| where the time went | seconds | share |",
+            "|---|---:|---:|",
+        ]
+        for name in BUCKETS:
+            seconds = self.buckets[name]
+            rows.append(f"| {WORDS[name]} | {seconds:,.1f} | {seconds / self.wall_s if self.wall_s else 0:.1%} |")
+        rows.append(f"| **wall** | **{self.wall_s:,.1f}** | **100%** |")
+        return "\n".join(rows)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"goodput/{name}_s": round(seconds, 3) for name, seconds in self.buckets.items()}
+        return out | {"goodput/ratio": round(self.ratio, 5), "goodput/wall_s": round(self.wall_s, 3)}
+
+
+def _add(target: dict[str, float], source: dict[str, float]) -> None:
+    for k, v in source.items():
+        target[k] = target.get(k, 0.0) + v
+
+
+def _launch_buckets(launch: dict, records: list[dict]) -> dict[str, float]:
+    """One launch's wall time, bucket by bucket."""
+    wall = max(0.0, launch["ended"] - launch["started"])
+    out = dict.fromkeys(BUCKETS, 0.0)
+    pending = float(launch.get("pending_s") or 0.0)
+    out["pending"] = min(pending, wall)
+    accounted_until = launch["started"] + out["pending"]
+    if records:
+        last = records[-1]
+        p = last["phases"]
+        out["productive"] = p.get("data", 0) + p.get("step", 0)
+        out["startup"] = max(0.0, last["process_start"] - accounted_until) + sum(
+            p.get(k, 0) for k in ("startup", "plan", "first_step")
+        )
+        out["load"] = p.get("download", 0) + p.get("load", 0)
+        out["save"] = p.get("save", 0) + p.get("upload", 0)
+        out["eval"] = p.get("eval", 0)
+        out["idle"] = p.get("close", 0)
+        accounted_until = min(launch["ended"], last["at"])
+    remainder = max(0.0, launch["ended"] - accounted_until)
+    if launch.get("kind") == "ok" or launch.get("stopped"):
+        out["idle"] += remainder  # the process's exit; a cancel's stop
+    else:
+        hung = min(remainder, float((launch.get("hung") or {}).get("silent_s") or 0.0))
+        out["hung"] = hung
+        out["lost"] = remainder - hung
+    return out
+
+
+def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Goodput:
+    """The run's goodput so far, from its launch ledger and its time records."""
+    launches = sorted(launch_ledger.read(Path(run_dir)), key=lambda r: r["started"])
+    records = time_ledger.read(save_folder, run_name)
+    result = Goodput()
+    if not launches:
+        return result
+    stages: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(BUCKETS, 0.0))
+    previous_end = None
+    for launch in launches:
+        mine = [r for r in records if launch["started"] - 1 <= r["process_start"] <= launch["ended"]]
+        part = _launch_buckets(launch, sorted(mine, key=lambda r: r["at"]))
+        if previous_end is not None:
+            part["idle"] += max(0.0, launch["started"] - previous_end)
+        previous_end = max(previous_end or 0.0, launch["ended"])
+        _add(result.buckets, part)
+        _add(stages[launch["stage"]], part)
+        result.tokens = max(result.tokens, int(launch.get("tokens_after") or 0))
+    result.wall_s = previous_end - launches[0]["started"]
+    result.stages = dict(stages)
+    result.launches = len(launches)
+    return result
+
+
+def chart(goodput: Goodput, path: Path) -> Path:
+    """A stacked bar per stage (and the whole run): where the time went."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*goodput.stages, "run"]
+    columns = [*goodput.stages.values(), goodput.buckets]
+    fig, ax = plt.subplots(figsize=(2 + 1.3 * len(names), 4.5))
+    bottoms = [0.0] * len(names)
+    for bucket in BUCKETS:
+        heights = [c.get(bucket, 0.0) / 60 for c in columns]
+        ax.bar(names, heights, bottom=bottoms, label=WORDS[bucket])
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_ylabel("minutes")
+    ax.set_title(f"goodput {goodput.ratio:.1%}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def for_job(run_dir: str | Path, job) -> Goodput:
+    """The goodput of `job`'s run; with the ranks in pods, their time records come from the s3 save folder."""
+    import tempfile
+
+    save_folder = Path(job.save_folder)
+    if job.remote_folder and not time_ledger.path(save_folder, job.run_name).exists():
+        from trainers.remote import RemoteFolder
+
+        name = time_ledger.path(save_folder, job.run_name).name
+        with tempfile.TemporaryDirectory(prefix="tessera-goodput-") as tmp:
+            try:
+                (Path(tmp) / name).write_text(RemoteFolder(job.remote_folder)._get_text(name))
+            except Exception:  # noqa: BLE001 - none written yet: every launch's time is unaccounted
+                pass
+            return compute(run_dir, tmp, job.run_name)
+    return compute(run_dir, save_folder, job.run_name)
+
+
+def report(run_dir: str | Path, job) -> Goodput:
+    """The run's goodput so far (`job`: its trainers.config.TrainJob), said where people look: a Prefect artifact on
+    the flow run, and in MLflow the goodput/* metrics at the tokens reached, the table and the stacked chart
+    (artifacts goodput/*). With the ranks in pods, their time records come from the s3 save folder."""
+    import json
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.artifacts import artifact_key
+    from tasks.mlflow_run import retrying
+
+    goodput = for_job(run_dir, job)
+    if not goodput.launches:
+        return goodput
+    text = goodput.markdown(job.run_name)
+    key = artifact_key(job.run_name, "goodput")
+    create_markdown_artifact(markdown=text, key=key, description=f"Goodput of run {job.run_name}")
+    if job.mlflow is None:
+        return goodput
+    client, run_id = MlflowClient(tracking_uri=job.mlflow.tracking_uri), job.mlflow.run_id
+    for name, value in goodput.metrics().items():
+        retrying(f"logging {name}", lambda n=name, v=value: client.log_metric(run_id, n, v, step=goodput.tokens))
+    with tempfile.TemporaryDirectory(prefix="tessera-goodput-") as tmp:
+        folder = Path(tmp)
+        (folder / "goodput.md").write_text(text + "\n")
+        (folder / "goodput.json").write_text(
+            json.dumps(
+                {
+                    "wall_s": goodput.wall_s,
+                    "ratio": goodput.ratio,
+                    "buckets": goodput.buckets,
+                    "stages": goodput.stages,
+                },
+                indent=2,
+            )
+        )
+        chart(goodput, folder / "goodput.png")
+        for file in ("goodput.md", "goodput.json", "goodput.png"):
+            retrying(f"logging goodput/{file}", lambda f=file: client.log_artifact(run_id, str(folder / f), "goodput"))
+    return goodput

@@ -1,0 +1,92 @@
+"""The goodput ledger's arithmetic on a run's own files, and `tessera status RUN`, which prints it.
+
+The ledger of real launches (a kill and a hang, buckets adding up to the wall time) is proven by
+tests/test_watchdog.py::test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up; here the two
+files are written by hand with round numbers, so every bucket has one right value.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, tiny_recipe
+from trainers.config import StageConfig
+
+T0 = 1_700_000_000.0
+
+
+def _run(tmp_path):
+    """A run `r` of the tiny recipe with two launches: one killed 40 s after its last checkpoint, one that ended."""
+    import yaml
+
+    from tasks import launch_ledger
+    from tests.support.training import tiny_job, write_job
+
+    recipe = tiny_recipe(tmp_path)
+    run_dir = tmp_path / "work" / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    job = tiny_job(run_dir, {"a": "unused"}, [StageConfig(name="s", tokens=4096, mixture={"a": 1.0})], run_name="r")
+    write_job(job, run_dir / "job.json")
+    launch_ledger.append(
+        run_dir,
+        {"stage": "s", "started": T0, "ended": T0 + 100, "code": -9, "kind": "preempted", "hung": None,
+         "tokens_before": 0, "tokens_after": 2048, "stopped": False, "pending_s": 0.0},
+    )  # fmt: skip
+    launch_ledger.append(
+        run_dir,
+        {"stage": "s", "started": T0 + 105, "ended": T0 + 200, "code": 0, "kind": "ok", "hung": None,
+         "tokens_before": 2048, "tokens_after": 4096, "stopped": False, "pending_s": 0.0},
+    )  # fmt: skip
+    phases = dict.fromkeys(("startup", "plan", "download", "load", "first_step", "data", "step", "eval"), 0.0)
+    first = phases | {"startup": 3, "first_step": 5, "step": 45, "data": 5}  # 58 s, to the checkpoint at T0 + 60
+    second = phases | {"startup": 3, "load": 4, "first_step": 5, "step": 70, "data": 5, "save": 3, "close": 1}  # 91 s
+    records = [
+        {"pid": 1, "process_start": T0 + 2, "at": T0 + 60, "stage": "s", "tokens": 2048, "final": False,
+         "phases": first},
+        {"pid": 2, "process_start": T0 + 108, "at": T0 + 199, "stage": "s", "tokens": 4096, "final": True,
+         "phases": second},
+    ]  # fmt: skip
+    (run_dir / "ckpt").mkdir()
+    (run_dir / "ckpt" / "r-time.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut sh')
+    assert yaml.safe_load(recipe.read_text())["work_dir"] == str(tmp_path / "work")
+    return recipe, run_dir, job
+
+
+def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost(tmp_path):
+    from tasks.goodput import compute
+
+    _, run_dir, job = _run(tmp_path)
+    goodput = compute(run_dir, job.save_folder, "r")
+    assert (goodput.launches, goodput.tokens, goodput.wall_s) == (2, 4096, 200.0)
+    assert goodput.buckets == {
+        "productive": 50 + 75,  # data + step of both launches
+        "startup": (2 + 3 + 5) + (3 + 3 + 5),  # process start after the launch, its startup, the first step
+        "load": 4,
+        "save": 3,
+        "eval": 0,
+        "lost": 40,  # the killed launch's work after its checkpoint at T0 + 60: trained again
+        "hung": 0,
+        "pending": 0,
+        "idle": 5 + 1 + 1,  # the relaunch delay, the second's close and its exit
+    }
+    assert sum(goodput.buckets.values()) == goodput.wall_s and goodput.ratio == 125 / 200
+
+
+def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(tmp_path):
+    recipe, _, _ = _run(tmp_path)
+    cli = [sys.executable, "-m", "flows.cli", "status"]
+    out = subprocess.run([*cli, "r", "--recipe", str(recipe)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "run r: goodput 62.5% over 200 s of wall time, 2 launch(es), 4,096 tokens"
+    assert lines[1].split() == ["productive", "training", "(steps", "a", "checkpoint", "kept)", "125.0", "s", "62.5%"]
+    assert any(line.split()[:2] == ["lost:", "steps"] and line.split()[-2:] == ["s", "20.0%"] for line in lines)
+    assert lines[-1] == "  stage s: 62.5% productive of 200 s"
+    missing = subprocess.run([*cli, "nope", "--recipe", str(recipe)], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"tessera: error: {tmp_path / 'work' / 'runs' / 'nope' / 'job.json'}: no such run in {tmp_path / 'work'} "
+        "(`tessera run` writes it)"
+    ]
