@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from uuid import UUID
 
 from tasks.artifacts import artifact_key
-from trainers.progress import parse_progress, parse_ranks, parse_start
+from trainers.progress import parse_preflight, parse_progress, parse_ranks, parse_start
 
 # At least this often a running stage says where it is, even when the trainer prints more often.
 RELAY_EVERY_S = 15.0
@@ -67,6 +67,28 @@ def describe_slow_rank(stage: str, report: dict) -> str:
         f"stage {stage}: rank {slowest['rank']} ({where}) is slow: its steps compute {ratio:.2f}x "
         f"the median rank's ({mine['compute_s']:.3f} s a step{waits}), over the {report['steps']} steps up to step "
         f"{report['step']:,} (train.watchdog.slow_rank_factor {report['factor']:g})"
+    )
+
+
+def describe_preflight(stage: str, summary: dict) -> tuple[str, bool]:
+    """(one line for the flow's log, whether it is a warning): the launch's probe figures, and any rank far below
+    its peers, named with its host and node."""
+    bandwidth = summary["allreduce_gb_per_s"]
+    line = (
+        f"stage {stage}: preflight passed on {len(summary['ranks'])} rank(s): matmul "
+        f"{summary['matmul_gflops_median']:,.1f} GFLOP/s median, {summary['matmul_gflops_min']:,.1f} the slowest"
+        + (f"; all-reduce {bandwidth:.2f} GB/s" if bandwidth is not None else "")
+    )
+    if not summary["slow"]:
+        return line, False
+    named = ", ".join(
+        f"rank {r['rank']} ({r['host'] if r['node'] == r['host'] else r['host'] + ' on node ' + r['node']}, "
+        f"{r['matmul_gflops']:,.1f} GFLOP/s)"
+        for r in summary["slow"]
+    )
+    return (
+        f"{line}; far below its peers (the median over train.watchdog.slow_rank_factor {summary['factor']:g}): {named}",
+        True,
     )
 
 
@@ -136,6 +158,11 @@ class ProgressRelay:
             ranks = parse_ranks(line)
             if ranks is not None:
                 self._slow_rank(ranks)
+                continue
+            checked = parse_preflight(line)
+            if checked is not None:
+                said, warn = describe_preflight(self.stage, checked)
+                (self.logger.warning if warn else self.logger.info)(said)
         self._update_bar()
         if self.latest is not None and time.monotonic() - self._last_report >= self.every_s:
             self.report()

@@ -1,8 +1,9 @@
 """A work dir whose disk fills mid-run: one line naming the folder and its free space, no retry, nothing
 half-written, and a rerun after freeing space resumes from the last complete checkpoint.
 
-The work dir is a small tmpfs in a private mount namespace (`unshare -m`, root or CAP_SYS_ADMIN): the
-first checkpoint fits, the second does not. The trainer's own log is on that disk too.
+The work dir is a small tmpfs in a private mount namespace (`unshare -m`, root or CAP_SYS_ADMIN): at the launch
+it has room for two checkpoints, as the preflight asks (trainers/preflight.py), and the third does not fit.
+The trainer's own log is on that disk too.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
 
     recipe = tiny_recipe(tmp_path)  # MLflow's store beside the work dir, so only the work dir fills
     raw = yaml.safe_load(recipe.read_text())
-    raw["train"]["stages"] = [{"name": "literary", "tokens": 4096, "mixture": {"literary": 1.0}}]
+    raw["train"]["stages"] = [{"name": "literary", "tokens": 6144, "mixture": {"literary": 1.0}}]
     raw["eval"] |= {
         "every": 2048,
         "data_root": str(cut_demo_tasks(ROOT / "data/gauntlet/eval/local_data", tmp_path / "g")),
@@ -62,9 +63,10 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
     out.mkdir()
     tessera = shlex.join([sys.executable, "-m", "flows.cli", "run", str(recipe)])
     checkpoints = work / "runs" / "tiny" / "checkpoints"
-    # Prepared data (~2 MB with the tests' tokenizer), one checkpoint (~5 MB) and the logs fit in 9 MB; two do not.
+    # Prepared data (~2 MB with the tests' tokenizer), two checkpoints (~4.4 MB each) and the logs fit in 12 MiB;
+    # three do not.
     script = f"""
-        mount -t tmpfs -o size=9m tmpfs {work}
+        mount -t tmpfs -o size=12m tmpfs {work}
         {tessera} > {out}/run1.out 2> {out}/run1.err; echo $? > {out}/run1.rc
         ls {checkpoints} > {out}/after1.ls; ls {checkpoints}/manifests > {out}/manifests1.ls
         mount -o remount,size=300m tmpfs {work}
@@ -85,16 +87,17 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
         + said[0].split(" has ", 1)[1]
     ]
     assert said[0].endswith(
-        "free of 9.4 MB, and one checkpoint of this model takes about 4.4 MB; free some space (or give "
-        "train.save_folder a larger disk), then rerun: it resumes from the checkpoint at 2,048 tokens"
+        "free of 12.6 MB, and one checkpoint of this model takes about 4.4 MB; free some space (or give "
+        "train.save_folder a larger disk), then rerun: it resumes from the checkpoint at 4,096 tokens"
     )
     assert "Retry" not in first and first.count("launched 1 rank(s)") == 1  # fatal at once: no retry filled it again
-    assert (out / "manifests1.ls").read_text().split() == ["tok-000000002048.json"]  # the cut-short save is unpublished
+    # the cut-short save is unpublished
+    assert (out / "manifests1.ls").read_text().split() == ["tok-000000002048.json", "tok-000000004096.json"]
     # the trainer said it too, on the full disk, when the log could still take the line
     log = (out / "rank0.log").read_text()
     assert f"tessera.train: fatal: no space left on the disk holding {checkpoints} (" in log
 
     second = (out / "run2.err").read_text()
     assert (out / "run2.rc").read_text().strip() == "0", second[-3000:]
-    assert "stage literary: resuming run tiny from the checkpoint at 2,048 tokens (step 2)" in second
-    assert (out / "manifests2.ls").read_text().split() == ["tok-000000002048.json", "tok-000000004096.json"]
+    assert "stage literary: resuming run tiny from the checkpoint at 4,096 tokens (step 4)" in second
+    assert (out / "manifests2.ls").read_text().split() == [f"tok-00000000{t}.json" for t in (2048, 4096, 6144)]

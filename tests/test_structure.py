@@ -166,6 +166,7 @@ REMOVES_OTHER_FILES = {
     "atomic": "its own temp file, when a state file's write fails before the rename",
     "data_check": "a damaged cached copy of a remote data shard, which Streaming then fetches and validates again",
     "metrics_outbox": "its own write-ahead journal",
+    "preflight": "its own probe file, which shows the save folder takes a write",
     "remote": "hard links staged for an upload (.uploading/) and half-downloaded data folders",
     "shm": "Streaming's shared-memory segments and locks of dead processes",
 }

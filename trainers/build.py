@@ -21,7 +21,7 @@ from composer.algorithms import GradientClipping
 from composer.core import Event
 from composer.models import HuggingFaceModel
 
-from trainers import folder_lock, heartbeat
+from trainers import folder_lock, heartbeat, preflight
 from trainers import model as model_lib
 from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
 from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, Stage, TrainJob
@@ -306,8 +306,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     if plan.tokens >= stage.end:
         log.info("stage %s is already complete", stage.name)
         return None
+    checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
     hf_model, model = _model(job, plan)
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
+    if checked is not None:
+        metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
     heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
@@ -332,6 +335,13 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         metrics.start_tags["tessera.optimizer_state"] = outcome
     trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
     return trainer
+
+
+def _probe_device() -> torch.device:
+    """The device this rank trains on, for the preflight probes (Composer picks the same)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -70,6 +70,7 @@ class MlflowMetrics(Callback):
         self.step_tokens = step_tokens
         self.outbox: Outbox | None = None
         self.start_tags: dict[str, str] = {}  # sent once with the stage's start (what this launch started from)
+        self.launch_row: tuple[int, dict[str, float]] | None = None  # and this launch's own figures
         self._closed = False
         self._last_flush = time.monotonic()
         self._window: tuple[float, int] | None = None
@@ -80,6 +81,8 @@ class MlflowMetrics(Callback):
             return
         self.outbox = Outbox(self.target, self.state_folder, self.run_name, self.logged_until)
         self.outbox.put(None, tags={f"stage/{self.stage_name}/start_tokens": str(self.stage_start), **self.start_tags})
+        if self.launch_row is not None:
+            self.outbox.put(*self.launch_row)
         self.flush()
 
     def batch_start(self, state: State, logger: Logger) -> None:
@@ -134,6 +137,11 @@ class MlflowMetrics(Callback):
             self.outbox.put(None, tags=tags)
         if row and tokens is not None and tokens > self.logged_until:
             self.outbox.put(tokens, row)
+
+    def note_launch(self, tokens: int, row: dict[str, float]) -> None:
+        """A launch's own figures (its preflight), sent with the stage's start at the token the launch starts from,
+        where earlier launches may have logged rows already: MLflow keeps each launch's value at that step."""
+        self.launch_row = (tokens, row)
 
     def _crossed(self, tokens: int) -> bool:
         every = self.flush_every_tokens

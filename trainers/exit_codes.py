@@ -74,6 +74,11 @@ class RetryableError(Exception):
     """A failure that relaunching (which resumes from the last checkpoint) can fix."""
 
 
+class InfrastructureError(Exception):
+    """The node, not the job, is unwell (a preflight probe failed): relaunched as a preemption is, on the larger
+    budget, since the job itself did nothing wrong. The message is printed as one line."""
+
+
 # Substrings of messages raised by torch.distributed / gloo / NCCL when a peer goes away
 # or a collective times out. They surface as RuntimeError / DistBackendError, so the type
 # alone does not tell a lost peer from a bug.
@@ -130,6 +135,8 @@ def classify(exc: BaseException) -> ExitCode:
         return ExitCode.FATAL
     if no_space(exc) is not None:  # anywhere in the chain: a relaunch fills the same disk
         return ExitCode.FATAL
+    if isinstance(exc, InfrastructureError):
+        return ExitCode.INTERRUPTED
     if isinstance(exc, RetryableError):
         return ExitCode.RETRYABLE
     if isinstance(exc, _distributed_error_types()):

@@ -3,7 +3,8 @@
 One module holds every hook, so what a test can do to a trainer is read in one place:
 `TESSERA_FAULT=<point>:<tokens>` (step, save, published: SIGKILL there; nan: poison that step),
 `TESSERA_FAULT=stall-<point>:<seconds>` (node: a node's checkpoint fetch; launch: a launch's start, before it
-plans), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in stage k) and
+plans; save: a checkpoint save), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in
+stage k), `TESSERA_FAULT_ONCE=<file>` (a kill only in the first launch that reaches it) and
 `TESSERA_SAMPLE_LOG=<file>` (what each step trained on).
 """
 
@@ -32,6 +33,17 @@ def maybe_stall(point: str, stage: int | None = None) -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
+def slowed_by() -> float:
+    """`TESSERA_FAULT=slow:<seconds>` on this rank (TESSERA_FAULT_RANK, else every rank): how much longer each step
+    computes, and the preflight's matmul probe too (a straggler node is slow at both); 0 otherwise."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("slow:") and os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK")) == os.environ.get(
+        "RANK", "0"
+    ):
+        return float(spec.split(":", 1)[1])
+    return 0.0
+
+
 def maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
     """Fault injection for the kill -9 tests: `TESSERA_FAULT=<point>:<tokens>`
     (optionally only on rank TESSERA_FAULT_RANK).
@@ -45,6 +57,12 @@ def maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
         return
     if os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return  # TESSERA_FAULT_RANK=<r> limits the fault to one rank: a lost peer
+    once = os.environ.get("TESSERA_FAULT_ONCE")
+    if once:  # TESSERA_FAULT_ONCE=<file>: only the first launch that gets here dies (the file says it did)
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
     if path is not None:
         size = path.stat().st_size
         with open(path, "r+b") as f:
@@ -70,11 +88,9 @@ class Probe(Callback):
         self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        spec = os.environ.get(FAULT_ENV, "")
-        if spec.startswith("slow:") and os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK")) == os.environ.get(
-            "RANK", "0"
-        ):
-            time.sleep(float(spec.split(":", 1)[1]))
+        slow = slowed_by()
+        if slow:
+            time.sleep(slow)
         if os.environ.get(FAULT_ENV) == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
             # Test hook: poison one weight so this step's forward really produces a NaN loss.
             with torch.no_grad():

@@ -49,6 +49,8 @@ INTERVAL_ENV = "TESSERA_PROGRESS_S"
 DEFAULT_INTERVAL_S = 10.0
 RANKS_PREFIX = "tessera.ranks"
 RANKS_FIELDS = ("step", "tokens", "ranks", "slowest", "slowest_over_median", "slow")
+PREFLIGHT_PREFIX = "tessera.preflight"
+PREFLIGHT_FIELDS = ("ranks", "matmul_gflops_median", "matmul_gflops_min", "allreduce_gb_per_s", "factor", "slow")
 DAMAGE_PREFIX = "tessera.damaged"
 DAMAGE_FIELDS = ("source", "path", "shard", "samples", "why")
 FIELDS = ("stage", "stage_index", "step", "tokens", "stage_start", "stage_end", "loss", "tokens_per_sec", "elapsed_s")
@@ -103,3 +105,12 @@ def format_ranks(report: Mapping[str, object]) -> str:
 
 def parse_ranks(line: str) -> dict | None:
     return _parse(line, RANKS_PREFIX, RANKS_FIELDS)
+
+
+def format_preflight(summary: Mapping[str, object]) -> str:
+    """A launch's preflight figures (trainers/preflight.py), for a summary holding PREFLIGHT_FIELDS."""
+    return f"{PREFLIGHT_PREFIX} {json.dumps(dict(summary), separators=(',', ':'))}"
+
+
+def parse_preflight(line: str) -> dict | None:
+    return _parse(line, PREFLIGHT_PREFIX, PREFLIGHT_FIELDS)

@@ -15,7 +15,14 @@ import sys
 
 from trainers import heartbeat
 from trainers.disk import full_disk_line, no_space
-from trainers.exit_codes import ExitCode, FatalError, classify, code_on_signal, decide_exit
+from trainers.exit_codes import (
+    ExitCode,
+    FatalError,
+    InfrastructureError,
+    classify,
+    code_on_signal,
+    decide_exit,
+)
 from trainers.jobfile import load_job
 from trainers.supervisor import supervisor_gone, watch_supervisor
 
@@ -94,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.OK
     except FatalError as exc:
         return fatal(exc)
+    except InfrastructureError as exc:  # the node, not the job: relaunched on the preemption budget
+        decide_exit(ExitCode.INTERRUPTED)
+        print(f"tessera.train: {exc}", file=sys.stderr, flush=True)
+        return ExitCode.INTERRUPTED
     except Exception as exc:  # noqa: BLE001
         from trainers.data_check import first_damage
 
