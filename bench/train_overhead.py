@@ -6,7 +6,13 @@ Streaming loader, LR/metrics/loss-guard/probe/checkpoint callbacks); checkpoints
 stage end, after the timed steps. Per-step throughput is the median over the steps after warmup,
 so one-time startup (imports, dataset index, first-step allocations) is left out of both.
 
-Prints one JSON line last: {"bench": "train_overhead", "ratio": tessera/plain, ...}. Goal >= 0.95.
+It also prices the hang watchdog (trainers/heartbeat.py, infra/watchdog.py): the same tessera run with every
+step's heartbeat written and a watchdog polling the heartbeats every half second on a thread of the same process
+(harsher than the real one, which polls every 2 s from another process), against the run without them, in turns
+(off, on, off, on) so the machine's drift falls on both.
+
+Prints one JSON line last: {"bench": "train_overhead", "ratio": tessera/plain, "watchdog_overhead": 1 - on/off,
+...}. Goals: ratio >= 0.95, watchdog_overhead <= 0.01.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,13 +70,38 @@ def plain_loop(job, steps: int, warmup: int) -> float:
     return job.tokens_per_batch / statistics.median(times[warmup:])
 
 
-def tessera(job, warmup: int) -> float:
+def tessera(job, warmup: int, watched: str | None = None) -> float:
+    """Median tokens/s of the real trainer; with `watched` (a folder), heartbeats there and a watchdog reading them."""
+    from infra.watchdog import Budgets, Watchdog
+    from trainers import heartbeat
     from trainers.build import build_trainer
+    from trainers.contract import HEARTBEAT_DIR_ENV
 
+    heartbeat._BEAT.clear()
+    os.environ.pop(HEARTBEAT_DIR_ENV, None)
+    stop = threading.Event()
+    if watched:
+        os.environ[HEARTBEAT_DIR_ENV] = watched
+        heartbeat.start()
+        dog = Watchdog(Path(watched), Budgets(poll_s=0.5), [0])
+
+        def watch() -> None:
+            while not stop.wait(dog.budgets.poll_s):
+                assert dog.check() is None, "the bench's own run looked hung"
+
+        threading.Thread(target=watch, daemon=True).start()
+    for leftover in Path(job.save_folder).glob("*"):  # each run trains the stage from the start
+        if leftover.is_file():
+            leftover.unlink()
+        else:
+            shutil.rmtree(leftover)
     trainer = build_trainer(job, 0)
     trainer.fit()
     history = trainer.tessera_metrics.history
     trainer.close()
+    stop.set()
+    heartbeat._BEAT.clear()
+    os.environ.pop(HEARTBEAT_DIR_ENV, None)
     rates = [row["throughput/tokens_per_sec"] for row in history if "throughput/tokens_per_sec" in row]
     return statistics.median(rates[warmup:])
 
@@ -107,16 +141,26 @@ def main() -> None:
         )
         # Plain loop first and last: the machine's load drifts, and the mean of the two brackets it.
         plain_a = plain_loop(job, args.steps, args.warmup)
-        ours = tessera(job, args.warmup)
+        turns = []
+        for _ in range(2):
+            off = tessera(job, args.warmup)
+            on = tessera(job, args.warmup, watched=str(Path(tmp) / "heartbeats"))
+            turns.append((off, on))
         plain_b = plain_loop(job, args.steps, args.warmup)
     plain = (plain_a + plain_b) / 2
+    ours = statistics.mean(off for off, _ in turns)
+    watched = statistics.mean(on for _, on in turns)
     print(
         json.dumps(
             {
                 "bench": "train_overhead",
                 "ratio": round(ours / plain, 4),
                 "goal": 0.95,
+                "watchdog_overhead": round(1 - watched / ours, 4),
+                "watchdog_goal": "<= 0.01",
                 "tessera_tokens_per_sec": round(ours, 1),
+                "tessera_watched_tokens_per_sec": round(watched, 1),
+                "turns_off_on": [[round(a, 1), round(b, 1)] for a, b in turns],
                 "plain_tokens_per_sec": round(plain, 1),
                 "plain_runs_tokens_per_sec": [round(plain_a, 1), round(plain_b, 1)],
                 "model": {"n_layers": args.layers, "d_model": args.d_model, "vocab": args.vocab},

@@ -9,6 +9,7 @@ job's log and so the task's error message.
 |------------------------------------------------------|------------|------|
 | every pod succeeded                                  | done       | 0    |
 | eviction, preemption, DisruptionTarget, a lost node  | disruption | 76   |
+| the pod's watchdog killed a hung group (exit 79)     | disruption | 76   |
 | the trainer exited non-zero (75, 1, ...)             | failure    | its own code |
 | JobSet/Job failed with no pod left to explain it     | failure    | 75   |
 | image not pulled within image_pull_timeout_s         | failure    | 75   |
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainers.contract import FATAL, INTERRUPTED, RETRYABLE
+from trainers.contract import FATAL, HUNG, INTERRUPTED, RETRYABLE
 
 Cause = Literal["done", "disruption", "failure", "fatal"]
 
@@ -51,6 +52,7 @@ class PodFailure:
     cause: Cause
     code: int
     message: str
+    hung: bool = False  # its watchdog killed the group: the cause of the other pods' failures, not one of them
 
 
 def condition(obj: dict, kind: str) -> dict | None:
@@ -101,6 +103,9 @@ def pod_failure(pod: dict, container: str) -> PodFailure | None:
             )
         if code == FATAL:
             return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: the trainer exited {FATAL} (fatal)")
+        if code == HUNG:  # infra/pod_launch.py's watchdog; its line is the container's termination message
+            said = (terminated.get("message") or "the watchdog found a hung rank").strip().splitlines()[0]
+            return PodFailure(name, uid, "disruption", INTERRUPTED, f"pod {name}: {said}", hung=True)
         if code != 0:
             detail = f" ({terminated['reason']})" if terminated.get("reason") not in (None, "Error") else ""
             return PodFailure(name, uid, "failure", code, f"pod {name}: container {container} exited {code}{detail}")
@@ -142,18 +147,26 @@ def scheduler_message(events: list[dict]) -> str | None:
 
 def _rank(f: PodFailure) -> int:
     """Which failure explains a group best: a pod the others were stopped because of, not the others.
-    A rank that exits 76 or by a signal was most likely stopped when the group was torn down."""
+    A rank that exits 76 or by a signal was most likely stopped when the group was torn down; a hung
+    group's peers on other nodes fail in their collectives because the watchdog killed it."""
     if f.cause == "fatal":
         return 0
-    if f.cause == "failure" and f.code != INTERRUPTED and 0 < f.code < 128:
+    if f.hung:
         return 1
-    return 2 if f.cause == "disruption" else 3
+    if f.cause == "failure" and f.code != INTERRUPTED and 0 < f.code < 128:
+        return 2
+    return 3 if f.cause == "disruption" else 4
+
+
+def most_telling(failures: list[PodFailure]) -> PodFailure:
+    """The failure that explains the group's end best (the earliest of the best-ranked: min is stable)."""
+    return min(failures, key=_rank)
 
 
 def explain_end(failures: list[PodFailure], what: str, cond: dict | None) -> Outcome:
     """The outcome of a failed group: its most telling pod failure, else the group's own condition."""
     if failures:
-        worst = min(failures, key=_rank)  # the earliest of the best-ranked: min is stable
+        worst = most_telling(failures)
         return Outcome(worst.code, worst.cause, f"{what} failed: {worst.message}")
     why = f"{(cond or {}).get('reason', 'Failed')}: {(cond or {}).get('message', '')}".rstrip(": ")
     return Outcome(RETRYABLE, "failure", f"{what} failed ({why})")

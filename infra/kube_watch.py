@@ -27,6 +27,7 @@ from infra.kube_outcome import (
     PodFailure,
     condition,
     explain_end,
+    most_telling,
     pod_failure,
     scheduler_message,
     unschedulable,
@@ -62,6 +63,10 @@ class GroupWatch:
         self._failures: dict[str, PodFailure] = {}  # by pod uid, in the order seen
         self._since: dict[tuple[str, str], float] = {}  # (pod uid, what) -> when first seen stuck
         self._restarts_seen: int | None = None
+        # Seconds the group waited to run: suspended (Kueue had not admitted it), or a pod not yet scheduled. The
+        # goodput ledger's `pending` (tasks/goodput.py).
+        self.pending_s = 0.0
+        self._judged_at: float | None = None
 
     def failure_behind(self, outcome: Outcome) -> PodFailure | None:
         """The pod failure of this attempt that `outcome` reports, if it reports one."""
@@ -102,6 +107,10 @@ class GroupWatch:
         """An Outcome once the group has ended (or must be ended), else None; recreates an indexed job."""
         now = time.monotonic()
         pods = [p for p in self._pods() if not (p.get("metadata") or {}).get("deletionTimestamp")]
+        queued = condition(group, "Suspended") is not None or any(unschedulable(p) for p in pods)
+        if queued and self._judged_at is not None:
+            self.pending_s += now - self._judged_at
+        self._judged_at = now
         for pod in pods:
             uid = pod["metadata"].get("uid", pod["metadata"]["name"])
             name = pod["metadata"]["name"]
@@ -149,7 +158,7 @@ class GroupWatch:
         if self._restarts_seen is None:  # re-attached: the earlier restarts were logged by the earlier process
             self._restarts_seen = 0 if self.created else restarts
         if restarts > self._restarts_seen:
-            last = list(self._failures.values())[-1].message if self._failures else "no pod failure was seen"
+            last = most_telling(list(self._failures.values())).message if self._failures else "no pod failure was seen"
             self._report(
                 f"{self._what()} restarted the whole group (restart {restarts}: {counted} of "
                 f"max_restarts={self.cfg.max_restarts} counted, {restarts - counted} disruptions); {last}"

@@ -26,22 +26,29 @@ from infra.kube_names import (
 )
 from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER, PodCommand, pod_spec, train_command
 from trainers.contract import FATAL as FATAL_EXIT
+from trainers.contract import HUNG as HUNG_EXIT
 from trainers.contract import MASTER_ADDR_ENV
 
 # What the Job controller writes into a Job's failure message when a pod failure policy rule fires
 # (pkg/controller/job/pod_failure_policy.go); the JobSet rules below match on it.
 FATAL_MESSAGE = f"failed with exit code {FATAL_EXIT} matching FailJob rule"
 DISRUPTION_MESSAGE = "has condition DisruptionTarget matching FailJob rule"
+HUNG_MESSAGE = f"failed with exit code {HUNG_EXIT} matching FailJob rule"
 
 
 def _pod_failure_policy(container: str) -> dict:
-    """Fail the Job at once on the fatal exit code and on a disruption, so the group's owner decides
-    (with the Job's failure message naming which) instead of the Job replacing one pod of a gang."""
+    """Fail the Job at once on the fatal exit code, on a hang the pod's watchdog killed and on a disruption, so
+    the group's owner decides (with the Job's failure message naming which) instead of the Job replacing one pod
+    of a gang."""
     return {
         "rules": [
             {
                 "action": "FailJob",
                 "onExitCodes": {"containerName": container, "operator": "In", "values": [FATAL_EXIT]},
+            },
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": container, "operator": "In", "values": [HUNG_EXIT]},
             },
             {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]
@@ -151,6 +158,13 @@ def jobset(
                         "action": "RestartJobSetAndIgnoreMaxRestarts",
                         "onJobFailureReasons": ["PodFailurePolicy"],
                         "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE],
+                    },
+                    {
+                        # the pod's watchdog killed a hung group: the node's or the network's fault, not the job's
+                        "name": "Hang",
+                        "action": "RestartJobSetAndIgnoreMaxRestarts",
+                        "onJobFailureReasons": ["PodFailurePolicy"],
+                        "onJobFailureMessagePatterns": [HUNG_MESSAGE],
                     },
                 ],  # anything else: RestartJobSet, counted against maxRestarts
             },

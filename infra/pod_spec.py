@@ -107,6 +107,8 @@ def pod_spec(
     """A pod that runs `command` as a non-root user with nothing it does not need. A pod with `ports` hosts its
     group's rendezvous: its store listens on the pod's own IP only (trainers/rendezvous.py)."""
     env, env_from = _env(cfg, command.env)
+    # The node a rank runs on, for heartbeats, the watchdog's and the slow-rank lines, and the preflight's figures.
+    env.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     if ports:
         env.append({"name": STORE_BIND_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": WORK_DIR}]

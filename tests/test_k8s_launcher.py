@@ -153,6 +153,52 @@ def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):
     assert [k for k, _ in c.creates] == ["NetworkPolicy", "ConfigMap", "JobSet"]  # the controller restarted it
 
 
+def test_a_hang_the_pods_watchdog_killed_restarts_the_group_uncounted_and_is_named(api, tmp_path):
+    """Pod 1's watchdog kills its hung ranks and exits 79 with the hang as its termination message
+    (infra/pod_launch.py); pod 0's ranks then fail in their collective (75). The JobSet's Hang rule restarts the
+    group without counting it against maxRestarts; the launcher names the hang, not the peer's 75."""
+    c = api.cluster
+    name = "tessera-tiny-s0-a0"
+    hang = (
+        "the watchdog found rank 3 (tessera-tiny-s0-a0-node-0-1 on node gpu-7, pid 41) hung in phase step for "
+        "183 s, over its 180 s budget (10 x the recent steps' p99 of 18.00 s)"
+    )
+
+    def scenario(c):
+        js = c.wait_for("JobSet", name)
+        c.set_condition("JobSet", name, "Suspended", "WorkloadInadmissible", "waiting for quota")  # Kueue holds it
+        settle()
+        js = c.get("JobSet", name)
+        js["status"]["conditions"] = []  # admitted
+        c.put("JobSet", js)
+        pods = c.start_pods(js)
+        c.terminate(pods[1], 79, message=hang)
+        settle()
+        c.terminate(pods[0], 75)
+        for p in pods:
+            c.remove("Pod", p, "training")
+        c.set_status("JobSet", name, restarts=1, restartsCountTowardsMax=0)  # RestartJobSetAndIgnoreMaxRestarts
+        pods = c.start_pods(c.get("JobSet", name))
+        c.log(pods[0], PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", name, "Completed", "AllJobsCompleted", "jobset completed successfully")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, GPU_TWO_NODES)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    assert job.preemptions == 1 and job.restarts == 0
+    assert 1.5 <= job.pending_s <= 4.5  # the goodput ledger's `pending`: the time Kueue held the group
+    said = [line for line in job.tail(50).splitlines() if "restarted the whole group" in line]
+    assert said == [
+        f"tessera.k8s: JobSet {name} restarted the whole group (restart 1: 0 of max_restarts=4 counted, "
+        f"1 disruptions); pod {said[0].split('; pod ', 1)[1].split(':', 1)[0]}: {hang}"
+    ]
+    assert _end(job, api) == f"tessera.k8s: JobSet {name} completed"
+
+
 def test_fatal_exit_78_ends_at_once_with_the_failing_pods_lines(api, tmp_path):
     c = api.cluster
 

@@ -139,6 +139,12 @@ def test_jobset_shape_command_and_failure_policy():
                 "onJobFailureReasons": ["PodFailurePolicy"],
                 "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"],
             },
+            {  # the pod's watchdog killed a hung group (infra/pod_launch.py): restarted like a disruption
+                "name": "Hang",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": ["failed with exit code 79 matching FailJob rule"],
+            },
         ],
     }
     (rj,) = js["spec"]["replicatedJobs"]
@@ -147,6 +153,7 @@ def test_jobset_shape_command_and_failure_policy():
     assert (job["completionMode"], job["completions"], job["parallelism"], job["backoffLimit"]) == ("Indexed", 2, 2, 0)
     assert job["podFailurePolicy"]["rules"] == [
         {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [78]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [79]}},
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
     ]
     pod = job["template"]["spec"]

@@ -28,7 +28,7 @@ def kubelet_expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
-def _pod_processes(raw: dict, args: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+def _pod_processes(raw: dict, args: list[str], env: dict | None = None) -> list[tuple[list[str], dict[str, str]]]:
     cfg = compute(raw)
     js = jobset(
         cfg.kubernetes,
@@ -36,7 +36,7 @@ def _pod_processes(raw: dict, args: list[str]) -> list[tuple[list[str], dict[str
         cfg.ranks_per_node,
         "tests.k8s.probe",
         args,
-        {"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: str(os.getpid())},
+        {"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: str(os.getpid()), **(env or {})},
     )
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     (container,) = job["template"]["spec"]["containers"]
@@ -53,8 +53,8 @@ def _pod_processes(raw: dict, args: list[str]) -> list[tuple[list[str], dict[str
     return pods
 
 
-def _run(pods, timeout=240) -> list[tuple[int, str]]:
-    base = {k: v for k, v in os.environ.items() if k != SUPERVISOR_ENV}
+def _run(pods, timeout=240, env: dict | None = None) -> list[tuple[int, str]]:
+    base = {k: v for k, v in os.environ.items() if k != SUPERVISOR_ENV} | (env or {})
     base["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{base['PATH']}"  # `composer`, as in the image
     base["OMP_NUM_THREADS"] = "1"
     procs = [
@@ -106,3 +106,54 @@ def test_a_pods_exit_code_is_its_first_failing_ranks():
     assert "Rank 1 crashed with exit code 78" in out, out
     assert "tessera.pod: the launcher exited 76; rank that failed first exited 78" in out
     assert code == 78
+
+
+def test_the_pods_watchdog_kills_a_hung_group_and_exits_79_with_the_line_as_its_termination_message(tmp_path):
+    """Rank 1 of a 2-rank pod stops itself after three steps (tests/k8s/probe.py freeze); the watchdog in the pod's
+    entrypoint, with the budgets the flow puts in the pod's environment, writes both ranks' stacks to the pod's log,
+    kills the launcher's whole group and exits 79, the code the pod failure policy restarts the group on without
+    counting it (infra/manifests.py); the flow reads the line from the pod's termination message."""
+    import json
+    import time
+
+    from infra.kube_outcome import pod_failure
+    from infra.watchdog import budgets_env, process_state
+    from trainers.config import WatchdogConfig
+    from trainers.contract import HEARTBEAT_DIR_ENV, HUNG, INTERRUPTED, TERMINATION_LOG_ENV
+
+    raw = {
+        **CPU_ONE_NODE,
+        "procs_per_node": 2,
+        "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()},
+    }
+    budgets = budgets_env(WatchdogConfig(step_floor_s=3, poll_s=0.5).model_dump())
+    (pod,) = _pod_processes(raw, ["freeze"], budgets)
+    assert json.loads(pod[1]["TESSERA_WATCHDOG"])["step_floor_s"] == 3  # the flow's budgets reach the pod
+    beats, message = tmp_path / "beats", tmp_path / "termination-log"
+    started = time.monotonic()
+    ((code, out),) = _run([pod], env={HEARTBEAT_DIR_ENV: str(beats), TERMINATION_LOG_ENV: str(message)})
+    assert code == HUNG == 79, out
+    assert time.monotonic() - started < 60
+    said = message.read_text()
+    assert said.startswith("the watchdog found rank 1 (") and "hung in phase step for " in said, said
+    assert "over its 3 s budget (the step floor" in said and "its process stopped (SIGSTOP)" in said
+    assert f"tessera.pod: {said}; exiting 79" in out
+    assert "--- rank 0: Python stacks (faulthandler)" in out and "--- rank 1: Python stacks (faulthandler)" in out
+    assert 'probe.py", line' in out  # where each rank was
+    pids = [json.loads((beats / f"rank{r}.json").read_bytes())["pid"] for r in (0, 1)]
+    # the stopped rank too: no process left behind (a zombie is dead, until whichever process adopted it reaps it)
+    assert all(process_state(pid) in (None, "Z") for pid in pids)
+
+    # What the flow reads of that pod: the hang, charged as a disruption (the preemption budget), named by its line.
+    pod_status = {
+        "metadata": {"name": "tiny-train-node-0-0-abc", "uid": "u1"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": {"exitCode": 79, "reason": "Error", "message": said}}}
+            ],
+        },
+    }
+    failure = pod_failure(pod_status, "trainer")
+    assert (failure.cause, failure.code, failure.hung) == ("disruption", INTERRUPTED, True)
+    assert failure.message == f"pod tiny-train-node-0-0-abc: {said}"

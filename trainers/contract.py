@@ -26,10 +26,17 @@ HEARTBEAT_DIR_ENV = "TESSERA_HEARTBEAT_DIR"
 # The watchdog's budgets (JSON of trainers.config.WatchdogConfig's fields), handed by the flow to the launcher.
 WATCHDOG_ENV = "TESSERA_WATCHDOG"
 # What a rank is doing, as its heartbeat says: each phase has its own budget for going without progress.
-PHASES = ("startup", "plan", "load", "first_step", "data", "step", "eval", "save", "close")
+PHASES = ("startup", "plan", "download", "load", "first_step", "data", "step", "eval", "save", "upload", "close")
 HEARTBEAT_BYTES = 2048  # a heartbeat file's fixed size: rewritten in place, never truncated under a reader
 STACK_SIGNAL = "SIGUSR1"  # asks a rank to write every thread's Python stack (faulthandler)
 
 # Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
 # 2 (argparse usage) and 128+N (killed by signal N).
 OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78
+# A training pod whose watchdog killed its hung ranks (infra/pod_launch.py) exits HUNG: the Job's pod failure
+# policy and the JobSet's rules restart the group on it without counting it against maxRestarts, as a preemption.
+HUNG = 79
+# Where a pod writes the one line saying why it ended (the kubelet's terminationMessagePath): the flow reads it
+# from the pod's status, so a hang is named in the run's log without fetching the pod's log.
+TERMINATION_LOG_ENV = "TESSERA_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"

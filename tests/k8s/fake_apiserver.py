@@ -269,8 +269,9 @@ class FakeCluster:
             self.logs.setdefault(pod, bytearray()).extend(text.encode())
             self.cond.notify_all()
 
-    def terminate(self, pod_name: str, exit_code: int, reason: str | None = None) -> None:
-        """The container ends; the pod's phase follows (restartPolicy Never)."""
+    def terminate(self, pod_name: str, exit_code: int, reason: str | None = None, message: str | None = None) -> None:
+        """The container ends; the pod's phase follows (restartPolicy Never). `message`: what the container wrote to
+        its terminationMessagePath, which the kubelet copies into the state."""
         pod = copy.deepcopy(self.pod(pod_name))
         state = {
             "exitCode": exit_code,
@@ -278,6 +279,8 @@ class FakeCluster:
             "startedAt": now(),
             "finishedAt": now(),
         }
+        if message is not None:
+            state["message"] = message
         pod["status"]["containerStatuses"][0]["state"] = {"terminated": state}
         pod["status"]["containerStatuses"][0]["ready"] = False
         pod["status"]["phase"] = "Succeeded" if exit_code == 0 else "Failed"

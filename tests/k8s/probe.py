@@ -2,6 +2,8 @@
 
 allreduce      every rank joins over gloo (MASTER_ADDR/PORT from the launcher) and sums the ranks
 peer N         rank 1 exits N; rank 0 answers the launcher's SIGTERM with 76, as the trainer does
+freeze         every rank beats its heartbeat through three steps, then rank 1 stops itself (SIGSTOP) and
+               rank 0 waits for it without a beat, as a rank blocked in a collective would
 """
 
 import os
@@ -32,5 +34,17 @@ if __name__ == "__main__":
             time.sleep(1)
             sys.exit(int(sys.argv[2]))
         signal.signal(signal.SIGTERM, lambda *_: os._exit(76))
+        time.sleep(120)
+    if mode == "freeze":
+        from trainers import heartbeat
+
+        beat = heartbeat.start()
+        beat.phase("step")
+        for step in range(1, 4):
+            beat.progress(step, step * 256, compute_s=0.01)
+            time.sleep(0.1)
+        print(f"beating {where}", flush=True)
+        if rank == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(120)
     sys.exit(2)
