@@ -190,6 +190,12 @@ class KubernetesConfig(_Kube):
         description="Kueue LocalQueue: labels the JobSet kueue.x-k8s.io/queue-name, so Kueue admits the whole group "
         "at once (gang admission). Null: no Kueue.",
     )
+    avoid_slow_nodes: bool = Field(
+        False,
+        description="Label the node of a rank the watchdog found hung, or that stayed slower than its peers, "
+        "tessera.dev/avoid=true, and require training pods on nodes without that label, so the group's next restart "
+        "lands elsewhere. Needs infra/k8s/rbac-nodes.yaml (nodes get, patch); never cordons.",
+    )
     master_port: int = Field(29500, ge=1024, le=65535, description="Port of the rendezvous store on pod 0.")
     max_restarts: int = Field(
         3,

@@ -140,6 +140,10 @@ class Kube:
         }[kind]
         return self._call(fn, self.namespace, label_selector=selector, field_selector=field_selector).get("items", [])
 
+    def patch_node(self, name: str, patch: dict) -> dict:
+        """A strategic merge patch of a Node (cluster-scoped: its labels, to keep groups off it)."""
+        return self._call(self.core.patch_node, name, patch)
+
     # -- watch and logs ------------------------------------------------------------------------------
 
     def watch(self, kind: str, name: str, timeout_s: int) -> Iterator[tuple[str, dict]]:

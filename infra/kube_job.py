@@ -17,6 +17,7 @@ from infra.joblog import JobLog
 from infra.kube_api import Kube, KubeError
 from infra.kube_cleanup import delete_launch
 from infra.kube_names import Workload
+from infra.kube_nodes import avoid
 from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome
 from infra.kube_relay import LogRelay
 from infra.kube_watch import GroupWatch
@@ -79,6 +80,13 @@ class KubernetesJob:
     def preemptions(self) -> int:
         """Evictions this group restarted through (JobSet) or was recreated after (indexed job)."""
         return self._group.preemptions
+
+    def avoid_node(self, node: str, why: str) -> str:
+        """Keep the group's next pods off `node` (compute.kubernetes.avoid_slow_nodes); the line saying what was done,
+        also written to the job's log."""
+        line = avoid(self.kube, node, why)
+        self._relay.line(line)
+        return line
 
     @property
     def pending_s(self) -> float:

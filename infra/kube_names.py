@@ -98,3 +98,9 @@ def pod0_address(cfg: KubernetesConfig, work: Workload) -> str:
     if cfg.api == "jobset":
         return f"{work.name}-{REPLICATED_JOB}-0-0.{work.name}"
     return f"{work.name}-0.{work.name}"
+
+
+# compute.kubernetes.avoid_slow_nodes: the label the flow puts on a node whose rank hung or ran slow
+# (infra/kube_nodes.py), which the training pods then require absent; the annotation says why.
+AVOID_LABEL = "tessera.dev/avoid"
+AVOID_REASON = "tessera.dev/avoid-reason"

@@ -17,6 +17,7 @@ from infra.config import ComputeConfig, KubernetesConfig
 from infra.kube_api import Kube
 from infra.kube_cleanup import delete_for_recreate
 from infra.kube_names import Workload, selector_string
+from infra.kube_nodes import avoid
 from infra.kube_outcome import (
     FATAL,
     IMAGE_PULL,
@@ -117,6 +118,9 @@ class GroupWatch:
             failure = pod_failure(pod, self.container)
             if failure is not None and uid not in self._failures:
                 self._failures[uid] = failure
+                node = (pod.get("spec") or {}).get("nodeName")
+                if failure.hung and node and self.cfg.avoid_slow_nodes:  # before the group's restart is scheduled
+                    self._report(avoid(self.kube, node, failure.message))
                 if failure.cause == "fatal":  # OOM or exit 78: a restart would fail the same way
                     return Outcome(failure.code, "fatal", f"{self._what()} failed: {failure.message}")
             stuck = waiting(pod, self.container)

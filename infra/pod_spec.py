@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from infra.config import KubernetesConfig
+from infra.kube_names import AVOID_LABEL
 from trainers.contract import CACHE_DIR_ENV as CACHE_ENV
 from trainers.contract import MASTER_ADDR_ENV, STORE_BIND_ENV
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
@@ -157,12 +158,28 @@ def pod_spec(
         "subdomain": subdomain,
         "nodeSelector": dict(cfg.node_selector) or None,
         "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in cfg.tolerations] or None,
-        "affinity": cfg.affinity.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
-        if cfg.affinity
-        else None,
+        "affinity": _affinity(cfg),
         "priorityClassName": cfg.priority_class_name,
         "serviceAccountName": cfg.service_account_name,
         "imagePullSecrets": [{"name": n} for n in cfg.image_pull_secrets] or None,
     }
     spec.update({k: v for k, v in optional.items() if v})
     return spec
+
+
+def _affinity(cfg: KubernetesConfig) -> dict | None:
+    """The recipe's affinity; with avoid_slow_nodes, also a required node without AVOID_LABEL, added to every
+    required node selector term (the terms are ORed: each must keep off the node)."""
+    affinity = cfg.affinity.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True) if cfg.affinity else {}
+    if not cfg.avoid_slow_nodes:
+        return affinity or None
+    terms = (
+        affinity.setdefault("nodeAffinity", {})
+        .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        .setdefault("nodeSelectorTerms", [])
+    )
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term.setdefault("matchExpressions", []).append({"key": AVOID_LABEL, "operator": "DoesNotExist"})
+    return affinity

@@ -183,7 +183,9 @@ def train_stage(
         logger.info(
             "stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path
         )
-        code = _run_once(job, ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name))
+        avoid = getattr(job, "avoid_node", None) if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
+        relay = ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name, avoid_node=avoid)
+        code = _run_once(job, relay)
         preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
         kind, hang = exit_kind(code), getattr(job, "hung", None)
         _record_launch(

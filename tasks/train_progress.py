@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from uuid import UUID
 
 from tasks.artifacts import artifact_key
@@ -122,6 +122,9 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+SLOW_COMPARISONS = 3  # a rank slow this many comparisons in a row stays slow (trainers/rank_timing.py's PERSIST)
+
+
 class ProgressRelay:
     """Feed it the job's output lines; it reports the newest progress at most every `every_s` seconds."""
 
@@ -132,6 +135,7 @@ class ProgressRelay:
         stage: str,
         every_s: float = RELAY_EVERY_S,
         artifacts: bool = True,
+        avoid_node: Callable[[str, str], str] | None = None,
     ):
         self.logger, self.run_name, self.stage, self.every_s = logger, run_name, stage, every_s
         self.latest: dict | None = None
@@ -143,6 +147,8 @@ class ProgressRelay:
         self._rate = Rate()
         self._smoothed: float | None = None
         self._slow: int | None = None  # the rank said to be slow, until the ranks even out
+        # compute.kubernetes.avoid_slow_nodes: the launch's job labels a node whose rank stays slow
+        self._avoid_node, self._slow_streak, self._avoided = avoid_node, 0, set()
 
     def feed(self, lines: Iterable[str]) -> None:
         for line in lines:
@@ -168,15 +174,25 @@ class ProgressRelay:
             self.report()
 
     def _slow_rank(self, report: dict) -> None:
-        """Say a slow rank once when it turns slow (and again if another rank becomes the slow one)."""
+        """Say a slow rank once when it turns slow (and again if another rank becomes the slow one); with a node to
+        avoid, label its node once it stayed slow SLOW_COMPARISONS comparisons in a row."""
         slowest = report["slowest"]
         if not report["slow"]:
-            self._slow = None
+            self._slow, self._slow_streak = None, 0
             return
         if self._slow == slowest["rank"]:
-            return
-        self._slow = slowest["rank"]
-        self.logger.warning(describe_slow_rank(self.stage, report))
+            self._slow_streak += 1
+        else:
+            self._slow, self._slow_streak = slowest["rank"], 1
+            self.logger.warning(describe_slow_rank(self.stage, report))
+        node = slowest.get("node")
+        if self._avoid_node and self._slow_streak == SLOW_COMPARISONS and node and node not in self._avoided:
+            self._avoided.add(node)
+            why = (
+                f"rank {slowest['rank']} of run {self.run_name} computed {report['slowest_over_median']:.2f}x the "
+                f"median rank's steps, {SLOW_COMPARISONS} comparisons in a row up to step {report['step']:,}"
+            )
+            self.logger.warning("stage %s: %s", self.stage, self._avoid_node(node, why))
 
     def report(self) -> None:
         """Log the newest progress now (also at the end of a launch, so the last state is always said)."""

@@ -70,6 +70,19 @@ def test_rbac_grants_exactly_what_the_launcher_calls():
     assert launcher and kube_api
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_node_labellers_rbac_validates_and_grants_patch_on_nodes_only(version):
+    """compute.kubernetes.avoid_slow_nodes: the one cluster-wide grant, and the one call it covers."""
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "k8s" / "rbac-nodes.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["ClusterRole", "ClusterRoleBinding"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    assert docs[0]["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}]
+    assert docs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "tessera-flow", "namespace": "tessera"}]
+    source = (ROOT / "infra" / "kube_api.py").read_text()
+    assert set(re.findall(r"\b(\w+)_node\b", source)) == {"patch"}
+
+
 def test_k8s_pool_job_variables_are_the_kubernetes_workers_own():
     worker = pytest.importorskip(
         "prefect_kubernetes.worker", reason="the k8s extra (prefect-kubernetes) is not installed"

@@ -184,11 +184,20 @@ def test_a_hang_the_pods_watchdog_killed_restarts_the_group_uncounted_and_is_nam
             c.terminate(p, 0)
         c.set_condition("JobSet", name, "Completed", "AllJobsCompleted", "jobset completed successfully")
 
+    for node in ("gpu-0", "gpu-1"):
+        c.put("Node", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"pool": "a"}}}, "")
     sim = Cluster(scenario, c)
     sim.start()
-    job = _launch(tmp_path, GPU_TWO_NODES)
+    job = _launch(tmp_path, {**GPU_TWO_NODES, "kubernetes": {**GPU_TWO_NODES["kubernetes"], "avoid_slow_nodes": True}})
     assert job.wait(timeout=60) == 0
     sim.join()
+    # avoid_slow_nodes: the hung pod's node is labelled (never cordoned) before the restart; its peer's is not
+    hung_node = c.get("Node", "gpu-1", "")
+    assert hung_node["metadata"]["labels"] == {"pool": "a", "tessera.dev/avoid": "true"}
+    assert hung_node["metadata"]["annotations"]["tessera.dev/avoid-reason"].endswith(hang)
+    assert "unschedulable" not in hung_node.get("spec", {})
+    assert c.get("Node", "gpu-0", "")["metadata"]["labels"] == {"pool": "a"}
+    assert "tessera.k8s: labelled node gpu-1 tessera.dev/avoid=true (pod " in job.tail(50)
     assert job.preemptions == 1 and job.restarts == 0
     assert 1.5 <= job.pending_s <= 4.5  # the goodput ledger's `pending`: the time Kueue held the group
     said = [line for line in job.tail(50).splitlines() if "restarted the whole group" in line]
@@ -453,3 +462,48 @@ def test_a_refused_spec_or_a_missing_jobset_api_is_fatal_in_one_line(api, tmp_pa
     job = _launch(tmp_path, CPU_ONE_NODE, run="other")
     assert job.wait(timeout=5) == 78
     assert _end(job, api).endswith("invalid spec: " + c.refuse["JobSet"][2])
+
+
+def test_a_rank_slow_three_comparisons_in_a_row_has_its_node_labelled_once_and_a_refusal_is_one_line(api, tmp_path):
+    """The flow's relay (tasks/train_progress.py) hands the slow rank's node to the launch's job, which labels it;
+    without the ClusterRole of infra/k8s/rbac-nodes.yaml the API answers 403 and the flow says so in one line."""
+    import logging
+
+    from infra.kube_api import Kube
+    from infra.kube_nodes import avoid
+    from tasks.train_progress import ProgressRelay
+    from trainers.progress import format_ranks
+
+    c = api.cluster
+    c.put("Node", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-7"}}, "")
+    kube = Kube("default")
+    calls: list[tuple[str, str]] = []
+
+    def avoid_node(node: str, why: str) -> str:
+        calls.append((node, why))
+        return avoid(kube, node, why)
+
+    said: list[str] = []
+    logger = logging.getLogger("test.relay")
+    logger.warning = lambda msg, *args: said.append(msg % args if args else msg)  # type: ignore[method-assign]
+    relay = ProgressRelay(logger, "tiny", "s", artifacts=False, avoid_node=avoid_node)
+
+    def report(step: int, slow: bool) -> str:
+        ranks = [{"rank": 0, "host": "p0", "node": "gpu-3", "compute_s": 0.1}, {"rank": 1, "host": "p1",
+                 "node": "gpu-7", "compute_s": 0.3 if slow else 0.1}]  # fmt: skip
+        slowest = {"rank": 1, "host": "p1", "node": "gpu-7"}
+        return format_ranks({"step": step, "tokens": step * 256, "steps": 50, "ranks": ranks, "slowest": slowest,
+                             "slowest_over_median": 1.5 if slow else 1.0, "factor": 1.5, "slow": slow})  # fmt: skip
+
+    relay.feed([report(50, True), report(100, True), report(150, False), report(200, True), report(250, True)])
+    assert calls == []  # slow, even again, but never three comparisons in a row
+    relay.feed([report(300, True), report(350, True), report(400, True)])
+    assert calls == [("gpu-7", "rank 1 of run tiny computed 1.50x the median rank's steps, 3 comparisons in a row "
+                               "up to step 300")]  # fmt: skip
+    assert c.get("Node", "gpu-7", "")["metadata"]["labels"] == {"tessera.dev/avoid": "true"}
+    assert said[-1].startswith("stage s: labelled node gpu-7 tessera.dev/avoid=true (rank 1 of run tiny")
+    c.refuse["Node"] = (403, "Forbidden", 'nodes "gpu-7" is forbidden: User cannot patch resource "nodes"')
+    assert avoid(kube, "gpu-7", "slow") == (
+        'could not label node gpu-7 tessera.dev/avoid=true: 403 Forbidden: nodes "gpu-7" is forbidden: User cannot '
+        'patch resource "nodes" (the flow\'s account needs infra/k8s/rbac-nodes.yaml)'
+    )

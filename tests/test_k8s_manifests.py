@@ -250,6 +250,28 @@ def test_cpu_variant_and_kueue_label():
     assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
 
 
+def test_with_avoid_slow_nodes_every_required_node_term_keeps_off_a_labelled_node():
+    """The recipe's own required term keeps its zone and gains the label's absence (terms are ORed, so each must);
+    without the option the affinity is the recipe's alone; every pod gets its node's name (downward API)."""
+    avoid = {"key": "tessera.dev/avoid", "operator": "DoesNotExist"}
+    zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east5-a"]}
+    for raw, expected in ((GPU_KUEUE, [zone, avoid]), (GPU_TWO_NODES, [zone])):
+        pod = _by_kind(_render(raw))["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert required == {"nodeSelectorTerms": [{"matchExpressions": expected}]}
+        (c,) = pod["containers"]
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+    plain = {**CPU_ONE_NODE, "kubernetes": {**CPU_ONE_NODE["kubernetes"], "avoid_slow_nodes": True}}
+    pod = _by_kind(_render(plain))["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["affinity"] == {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [avoid]}
+        ]}}
+    }  # fmt: skip
+    assert "affinity" not in _by_kind(_render(CPU_ONE_NODE))["JobSet"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]  # fmt: skip
+
+
 def test_indexed_job_fallback_names_pod0_through_its_headless_service():
     objects = _render(INDEXED_JOB, attempt=2)
     assert [o["kind"] for o in objects] == ["NetworkPolicy", "ConfigMap", "Service", "Job"]

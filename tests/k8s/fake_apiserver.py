@@ -44,6 +44,7 @@ _PATHS = [
     ),
 ]
 _LOG_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
+_NODE_PATH = re.compile(r"^/api/v1/nodes/([^/]+)$")  # cluster-scoped: stored in namespace ""
 _CHILD_LABEL = {"JobSet": "jobset.sigs.k8s.io/jobset-name", "Job": "batch.kubernetes.io/job-name"}
 
 
@@ -89,7 +90,7 @@ class FakeCluster:
         self.log_closed: set[str] = set()
         self.creates: list[tuple[str, str]] = []  # (kind, name) of every POST that succeeded
         self.deletes: list[tuple[str, str, str]] = []  # (kind, name, propagationPolicy)
-        self.refuse: dict[str, tuple[int, str, str]] = {}  # kind -> the error a POST of it gets
+        self.refuse: dict[str, tuple[int, str, str]] = {}  # kind -> the error a POST (or a Node PATCH) of it gets
         self.delete_delay_s = delete_delay_s
         self._rv = itertools.count(1)
         self.cond = threading.Condition()
@@ -158,7 +159,7 @@ class FakeCluster:
 
     def names(self) -> list[tuple[str, str]]:
         with self.cond:
-            return sorted((k, n) for (k, _, n) in self.objects if k != "Event")
+            return sorted((k, n) for (k, _, n) in self.objects if k not in ("Event", "Node"))  # the launcher's
 
     # -- what controllers and kubelets do -------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class FakeCluster:
                 if phase == "Running"
                 else {"waiting": {"reason": "ContainerCreating"}}
             )
+            spec = copy.deepcopy(template["spec"]) | {"nodeName": f"gpu-{index}"}  # the scheduler's choice
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -239,7 +241,7 @@ class FakeCluster:
                         }
                     ],
                 },
-                "spec": copy.deepcopy(template["spec"]),
+                "spec": spec,
                 "status": {
                     "phase": phase,
                     "conditions": [{"type": "PodScheduled", "status": "True"}],
@@ -496,6 +498,25 @@ class _Handler(BaseHTTPRequestHandler):
             c.creates.append((kind, obj_name))
             c.cond.notify_all()
         self._send(201, obj)
+
+    def do_PATCH(self) -> None:
+        """A strategic merge patch of a Node's metadata (labels, annotations): what `patch_node` sends."""
+        m = _NODE_PATH.match(urlparse(self.path).path)
+        c = self.cluster
+        if m is None:
+            return self._send(405, _status(405, "MethodNotAllowed", "PATCH is served for nodes only here"))
+        if "Node" in c.refuse:
+            code, reason, message = c.refuse["Node"]
+            return self._send(code, _status(code, reason, message))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        node = c.get("Node", m[1], "")
+        if node is None:
+            return self._send(404, _status(404, "NotFound", f'nodes "{m[1]}" not found'))
+        node = copy.deepcopy(node)
+        for key in ("labels", "annotations"):
+            merged = {**(node["metadata"].get(key) or {}), **(body.get("metadata", {}).get(key) or {})}
+            node["metadata"][key] = {k: v for k, v in merged.items() if v is not None}
+        self._send(200, c.put("Node", node, ""))
 
     def do_DELETE(self) -> None:
         kind, _, ns, name, query = self._route()

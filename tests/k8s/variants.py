@@ -61,7 +61,10 @@ GPU_TWO_NODES = {
     },
 }
 
-GPU_KUEUE = {**GPU_TWO_NODES, "kubernetes": {**GPU_TWO_NODES["kubernetes"], "queue_name": "team-a"}}
+GPU_KUEUE = {
+    **GPU_TWO_NODES,
+    "kubernetes": {**GPU_TWO_NODES["kubernetes"], "queue_name": "team-a", "avoid_slow_nodes": True},
+}
 
 INDEXED_JOB = {
     **GPU_TWO_NODES,
