@@ -135,6 +135,25 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert gauntlet_keys
     assert sorted(m.step for m in client.get_metric_history(run_id, gauntlet_keys[0])) == [16384, 32768, 49152]
 
+    # where the wall time went, at each stage's end: goodput/* at the tokens reached, the table, the chart, and a
+    # Prefect artifact; the killed launch's steps after its checkpoint are lost, and the buckets add up
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    ratio = client.get_metric_history(run_id, "goodput/ratio")
+    assert sorted(m.step for m in ratio) == [32768, 49152] and all(0 < m.value < 1 for m in ratio)
+    assert sorted(a.path for a in client.list_artifacts(run_id, "goodput")) == [
+        "goodput/goodput.json",
+        "goodput/goodput.md",
+        "goodput/goodput.png",
+    ]
+    ledger = json.loads(Path(client.download_artifacts(run_id, "goodput/goodput.json")).read_text())
+    assert abs(sum(ledger["buckets"].values()) - ledger["wall_s"]) <= 0.01 * ledger["wall_s"]
+    assert ledger["buckets"]["lost"] > 0 and set(ledger["stages"]) == {"literary", "stories"}
+    with get_client(sync_client=True) as prefect:
+        shown = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-goodput"])))
+    assert shown and shown[0].data.startswith("### Goodput of run tiny: ")
+
     # Prefect saw the stages, one evaluate and one register per checkpoint
     names = _task_names(state.state_details.flow_run_id)
     assert sum(n == "train_stage" for n in names) == 2  # the killed stage was retried, not re-created
