@@ -90,11 +90,7 @@ def tessera(job, warmup: int, watched: str | None = None) -> float:
                 assert dog.check() is None, "the bench's own run looked hung"
 
         threading.Thread(target=watch, daemon=True).start()
-    for leftover in Path(job.save_folder).glob("*"):  # each run trains the stage from the start
-        if leftover.is_file():
-            leftover.unlink()
-        else:
-            shutil.rmtree(leftover)
+    shutil.rmtree(job.save_folder, ignore_errors=True)  # each run trains the stage from the start
     trainer = build_trainer(job, 0)
     trainer.fit()
     history = trainer.tessera_metrics.history
