@@ -22,20 +22,11 @@ from infra.config import ComputeConfig
 from infra.joblog import JobLog
 from infra.lifecycle import forget, launching
 from infra.ranks import first_crash
-from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder
+from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder, signal_group
 
 # The trainer's side of the contract (trainers/supervisor.py reads it): infra imports only that module of trainers.
 from trainers.contract import HEARTBEAT_DIR_ENV, WATCHDOG_ENV
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
-
-
-def _signal_group(group: int, sig: int) -> bool:
-    """Send sig to a process group; False when no process of the group is left."""
-    try:
-        os.killpg(group, sig)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @dataclass(eq=False)
@@ -71,15 +62,15 @@ class LocalJob:
 
     def _kill_hung(self, watchdog: Watchdog, hang: Hang) -> None:
         group = self.process.pid
-        _signal_group(group, signal.SIGCONT)
+        signal_group(group, signal.SIGCONT)
         stacks = watchdog.stacks()
         self.hung = hang
         with open(self.log_path, "a") as log:
             log.write(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")
             log.write(stacks + "\n")
             log.write("tessera.watchdog: killed the group; the flow relaunches it from the last checkpoint\n")
-        _signal_group(group, signal.SIGCONT)
-        _signal_group(group, signal.SIGKILL)
+        signal_group(group, signal.SIGCONT)
+        signal_group(group, signal.SIGKILL)
 
     def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
         """Complete lines of rank 0's output written since the last call (this launch's only)."""
@@ -120,11 +111,11 @@ class LocalJob:
         so this signals the group even when the launcher has already exited.
         """
         group = self.process.pid
-        if _signal_group(group, signal.SIGTERM):
+        if signal_group(group, signal.SIGTERM):
             deadline = time.monotonic() + grace_s
-            while _signal_group(group, 0) and time.monotonic() < deadline:
+            while signal_group(group, 0) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            _signal_group(group, signal.SIGKILL)
+            signal_group(group, signal.SIGKILL)
         self.process.wait()
         forget(self)
 

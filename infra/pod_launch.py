@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from infra.ranks import first_crash
-from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder
+from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder, signal_group
 from trainers.contract import HEARTBEAT_DIR_ENV, HUNG, TERMINATION_LOG, TERMINATION_LOG_ENV, WATCHDOG_ENV
 
 # The launcher's crash lines come near the end; keep a bounded window of the output to search.
@@ -61,26 +61,19 @@ class PodWatchdog:
             if hang is None:
                 continue
             self.hang = hang
-            _killpg(self.group, signal.SIGCONT)  # a stopped rank must run to write its stacks, and to die
+            signal_group(self.group, signal.SIGCONT)  # a stopped rank must run to write its stacks, and to die
             stacks = self.watchdog.stacks()
             self.say(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")
             self.say(stacks + "\n")
             self.say(
                 "tessera.watchdog: killed the group; the pod exits 79 and the group restarts from the last checkpoint\n"
             )
-            _killpg(self.group, signal.SIGCONT)
-            _killpg(self.group, signal.SIGKILL)
+            signal_group(self.group, signal.SIGCONT)
+            signal_group(self.group, signal.SIGKILL)
             return
 
     def stop(self) -> None:
         self.done.set()
-
-
-def _killpg(group: int, sig: int) -> None:
-    try:
-        os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _terminate(code_or_line: str) -> None:

@@ -229,6 +229,17 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def signal_group(group: int, sig: int) -> bool:
+    """Send sig to a process group; False when no process of the group is left."""
+    try:
+        os.killpg(group, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a group of another user's: nothing of ours to stop
+        return False
+
+
 def fresh_folder(folder: Path) -> Path:
     """The launch's heartbeat folder, emptied of an earlier launch's files (their pids are gone)."""
     if folder.exists():
@@ -237,4 +248,13 @@ def fresh_folder(folder: Path) -> Path:
     return folder
 
 
-__all__ = ["Budgets", "Hang", "Watchdog", "HEARTBEAT_DIR_ENV", "budgets_env", "fresh_folder", "process_state"]
+__all__ = [
+    "Budgets",
+    "Hang",
+    "Watchdog",
+    "HEARTBEAT_DIR_ENV",
+    "budgets_env",
+    "fresh_folder",
+    "process_state",
+    "signal_group",
+]

@@ -12,11 +12,9 @@ skipped on reading.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from trainers.format.atomic import fsync_path
+from trainers.format.atomic import append_record, fsync_path, read_records
 
 
 def path(run_dir: Path) -> Path:
@@ -26,25 +24,12 @@ def path(run_dir: Path) -> Path:
 def append(run_dir: Path, record: dict) -> None:
     target = path(run_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "a") as f:
-        f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_record(target, record)
     fsync_path(target.parent)
 
 
 def read(run_dir: Path) -> list[dict]:
-    try:
-        lines = path(run_dir).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # cut short by a crash mid-append
-    return records
+    return read_records(path(run_dir))
 
 
 def no_progress_streak(records: list[dict], stage: str) -> int:

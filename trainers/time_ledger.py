@@ -11,12 +11,12 @@ own files; a line cut short by a kill is skipped on reading.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 from trainers import heartbeat
+from trainers.format.atomic import append_record, read_records
 
 
 def path(save_folder: str | Path, run_name: str) -> Path:
@@ -38,23 +38,10 @@ def record(save_folder: str | Path, run_name: str, stage: str, tokens: int, fina
         "phases": beat.spent(),
     }
     target = path(save_folder, run_name)
-    with open(target, "a") as f:
-        f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_record(target, line)
     if remote is not None:
         remote.push_file(target)
 
 
 def read(save_folder: str | Path, run_name: str) -> list[dict]:
-    try:
-        lines = path(save_folder, run_name).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return read_records(path(save_folder, run_name))

@@ -93,3 +93,27 @@ def read_json(path: str | Path, missing: Any = None) -> Any:
         return json.loads(data)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise CutShort(path, str(exc)) from None
+
+
+def append_record(path: str | Path, record: dict) -> None:
+    """Append `record` to a JSON-lines journal as one line, flushed and fsynced (a ledger's one write)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """A JSON-lines journal's records; none when there is no file; a line cut short by a crash mid-append is
+    skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
