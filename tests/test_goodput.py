@@ -90,3 +90,18 @@ def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(t
         f"tessera: error: {tmp_path / 'work' / 'runs' / 'nope' / 'job.json'}: no such run in {tmp_path / 'work'} "
         "(`tessera run` writes it)"
     ]
+
+
+def test_with_the_ranks_in_pods_the_time_records_come_from_the_s3_save_folder(tmp_path, moto_s3):
+    """On Kubernetes the flow never sees the pods' disks: rank 0 pushes its time records beside the checkpoints in
+    the s3 save folder, and the flow's ledger reads them there."""
+    from tasks.goodput import compute, for_job
+    from trainers.remote import RemoteFolder
+
+    _, run_dir, job = _run(tmp_path)
+    moto_s3.create_bucket(Bucket="ckpts")
+    in_pods = job.model_copy(update={"train": job.train.model_copy(update={"save_folder": "s3://ckpts/runs"})})
+    in_pods = in_pods.model_copy(update={"save_folder": str(tmp_path / "flow-side-copy")})  # empty on the flow
+    RemoteFolder(in_pods.remote_folder).push_file(run_dir / "ckpt" / "r-time.jsonl")
+    assert for_job(run_dir, in_pods).buckets == compute(run_dir, job.save_folder, "r").buckets
+    assert for_job(run_dir, in_pods).buckets["productive"] == 125

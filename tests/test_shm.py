@@ -60,9 +60,12 @@ def _start(folder: Path) -> tuple[subprocess.Popen, int]:
     return proc, int(prefix)
 
 
-def test_only_segments_no_live_process_maps_are_removed(tmp_path):
+def test_only_segments_no_live_process_maps_are_removed(tmp_path, monkeypatch):
     from tests.support.training import write_mds
+    from trainers import shm
     from trainers.shm import clean_stale_streaming_shm
+
+    monkeypatch.setattr(shm, "YOUNG_S", 0.0)  # the dead dataset's segments are seconds old: the age rule is below
 
     live_data, dead_data = (
         write_mds(tmp_path / "live", 10, 16, 512, seed=1),
@@ -90,6 +93,25 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path):
         live.wait()
     clean_stale_streaming_shm()
     assert not _present(live_files)  # once its process is gone, the next launch clears them too
+
+
+def test_a_segment_just_made_is_left_alone_even_while_no_process_maps_it(monkeypatch):
+    """Another launch's dataset between creating a segment and mapping it, or created while this cleaner read the
+    maps, must not lose it (a concurrent trainer then failed, fatal, opening its own segment): young segments stay."""
+    import time
+
+    from trainers import shm
+
+    monkeypatch.setattr(shm, "YOUNG_S", 1.0)
+    name = f"{999_000 + os.getpid() % 1000:06}_locals"  # far above any prefix Streaming picks (the lowest free)
+    path = Path("/dev/shm") / name
+    path.write_bytes(b"x")  # made, never mapped
+    try:
+        assert name not in shm.clean_stale_streaming_shm() and path.exists()
+        time.sleep(1.2)
+        assert name in shm.clean_stale_streaming_shm() and not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_a_shared_memory_prefix_taken_meanwhile_is_looked_for_again(tmp_path, monkeypatch):

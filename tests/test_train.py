@@ -575,7 +575,7 @@ def test_flipped_bytes_in_a_checkpoint_are_caught_and_the_previous_one_used(refe
     _ok(_launch(job_path, 0, log))  # resumed from 1024, retrained 2048
     assert (newest.parent / (newest.name + ".corrupt")).is_file()
 
-    assert _launch(job_path, 1, log, fault="step:3584").returncode == -9  # after the 3072 checkpoint
+    _killed(_launch(job_path, 1, log, fault="step:3584"))  # after the 3072 checkpoint
     newest = Path(list_complete(job.save_folder)[-1].path)
     with zipfile.ZipFile(newest) as zf:
         pickle = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
@@ -646,7 +646,7 @@ def test_lost_manifests_are_rederived_and_no_good_checkpoint_is_deleted(referenc
     job, job_path = _job(tmp_path, sources)
     log = tmp_path / "samples.jsonl"
     _ok(_launch(job_path, 0, log))
-    assert _launch(job_path, 1, log, fault="step:3584").returncode == -9  # after the 3072 checkpoint
+    _killed(_launch(job_path, 1, log, fault="step:3584"))  # after the 3072 checkpoint
     before = {c.tokens: (c.batch, os.stat(c.path).st_ino) for c in list_complete(job.save_folder)}
     assert list(before) == [1024, 2048, 2560, 3072]
     shutil.rmtree(Path(job.save_folder) / MANIFEST_DIR)

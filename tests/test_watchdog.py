@@ -214,13 +214,16 @@ def test_the_whole_trainer_frozen_is_killed_within_two_minutes_on_the_default_bu
 def test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up(
     prefect_harness, reference, tmp_path, source, monkeypatch
 ):
-    """A rank is SIGKILLed after step 20 (the checkpoint is at 16); in the relaunch, rank 1 is SIGSTOPped after step
+    """Rank 0 is SIGKILLed after step 20 (the checkpoint is at 16); in the relaunch, rank 1 is SIGSTOPped after step
     40 (checkpoint 32) and the watchdog (an 8 s step floor) kills the group after writing every rank's stacks to
     the stage log. The run ends with the uninterrupted run's weights; its goodput ledger adds up to the wall time,
     counts the killed launch's steps after its last checkpoint as lost and the frozen one's silence as hung."""
     from tasks.goodput import BUCKETS, compute
 
     monkeypatch.setenv("TESSERA_FAULT", f"step:{20 * STEP}")
+    # Rank 0, so that Composer's launcher, which looks at the ranks in order, reports its SIGKILL before the
+    # survivor's 75 (a lost peer) even when both have ended by its next look: a killed rank 1 raced rank 0's 75.
+    monkeypatch.setenv("TESSERA_FAULT_RANK", "0")
     monkeypatch.setenv("TESSERA_FAULT_ONCE", str(tmp_path / "killed-once"))
     job, job_path = _job(tmp_path, source, step_floor_s=8.0)
     frozen: list = []

@@ -7,6 +7,12 @@ stream's cache folder makes the next dataset on that folder fail ("Reused local 
 Streaming's own `clean_stale_shared_memory()` unlinks every prefix on the host, a live trainer's of
 another run included, whose next step then fails. Here a prefix is stale only if no live process
 maps any of its segments (read from /proc/<pid>/maps): a live dataset keeps them mapped.
+
+Another launch on the host may be creating its segments while this one looks: the names are listed
+before the maps are read (a segment made after the listing is not a candidate, and one made before
+is mapped by its creator at once, which the later read sees), and a segment younger than
+YOUNG_S is left alone whatever the maps say. A killed launch's segments are older than that by the
+time its relaunch has started Python and planned.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("tessera.shm")
 
 SHM_DIR = Path("/dev/shm")
 _STREAMING_NAME = re.compile(r"(\d{6})_\w+")
+YOUNG_S = 2.0  # a segment this new may be mid-creation by a live dataset (the race is milliseconds wide)
 
 
 def _mapped_prefixes() -> set[str]:
@@ -38,14 +46,21 @@ def _mapped_prefixes() -> set[str]:
     return live
 
 
+def _age(path: Path, now: float) -> float:
+    try:
+        return now - path.stat().st_ctime
+    except OSError:  # gone meanwhile
+        return 0.0
+
+
 def clean_stale_streaming_shm() -> list[str]:
     """Unlink the Streaming segments (and their file locks) of prefixes no live process maps; their names."""
     if not SHM_DIR.is_dir():
         return []
-    live = _mapped_prefixes()
-    stale = sorted(
-        p.name for p in SHM_DIR.iterdir() if (m := _STREAMING_NAME.fullmatch(p.name)) and m.group(1) not in live
-    )
+    now = time.time()
+    candidates = [p for p in SHM_DIR.iterdir() if _STREAMING_NAME.fullmatch(p.name) and _age(p, now) >= YOUNG_S]
+    live = _mapped_prefixes()  # after the listing: see the module's docstring
+    stale = sorted(p.name for p in candidates if p.name[:6] not in live)
     for name in stale:
         try:
             (SHM_DIR / name).unlink()
