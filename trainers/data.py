@@ -9,6 +9,7 @@ single number, the sample index within the epoch, which Composer checkpoints thr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import tempfile
@@ -43,7 +44,11 @@ class TokenSamples(StreamingDataset):
         # with FileExistsError (`/000471_locals`). Looking again then finds it taken and picks the next.
         for attempt in range(SHM_PREFIX_TRIES):
             try:
-                super().__init__(**kwargs)
+                # Fresh streams each try: a failed try has already set their weights (proportion, repeat, choose),
+                # and Streaming refuses a stream that carries more than one (a fatal ValueError seen in CI).
+                super().__init__(
+                    **{**kwargs, "streams": copy.deepcopy(kwargs["streams"])} if "streams" in kwargs else kwargs
+                )
                 break
             except FileExistsError:
                 if attempt == SHM_PREFIX_TRIES - 1:

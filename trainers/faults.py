@@ -33,6 +33,29 @@ def maybe_stall(point: str, stage: int | None = None) -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
+def maybe_freeze(tokens: int) -> None:
+    """`TESSERA_FREEZE=rank:<tokens>` (or `group:<tokens>`): right after the step that ends at <tokens>, the rank
+    named by TESSERA_FREEZE_RANK (0) stops itself (or its whole process group, the launcher included) with SIGSTOP,
+    as a wedged rank would; with `TESSERA_FREEZE_ONCE=<file>`, only the first launch that gets there, which writes
+    its pid, process group and the time into the file. A hang at an exact step, for the watchdog's tests."""
+    spec = os.environ.get("TESSERA_FREEZE", "")
+    what, _, at = spec.partition(":")
+    if not at or int(at) != tokens or os.environ.get("TESSERA_FREEZE_RANK", "0") != os.environ.get("RANK", "0"):
+        return
+    once = os.environ.get("TESSERA_FREEZE_ONCE")
+    if once:
+        try:
+            fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "at": time.time()}).encode())
+        os.close(fd)
+    if what == "group":
+        os.killpg(os.getpgid(0), signal.SIGSTOP)
+    else:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def slowed_by() -> float:
     """`TESSERA_FAULT=slow:<seconds>` on this rank (TESSERA_FAULT_RANK, else every rank): how much longer each step
     computes, and the preflight's matmul probe too (a straggler node is slow at both); 0 otherwise."""
@@ -106,6 +129,7 @@ class Probe(Callback):
                     loss = float(sum(state.total_loss_dict.values())) if state.total_loss_dict else None
                     f.write(json.dumps({"tokens": tokens, "samples": everyone, "loss": loss}) + "\n")
         maybe_fault("step", tokens)
+        maybe_freeze(tokens)
 
 
 def read_sample_log(path: str | Path) -> dict[int, dict]:
