@@ -4,8 +4,11 @@ One module holds every hook, so what a test can do to a trainer is read in one p
 `TESSERA_FAULT=<point>:<tokens>` (step, save, published: SIGKILL there; nan: poison that step),
 `TESSERA_FAULT=stall-<point>:<seconds>` (node: a node's checkpoint fetch; launch: a launch's start, before it
 plans; save: a checkpoint save), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in
-stage k), `TESSERA_FAULT_ONCE=<file>` (a kill only in the first launch that reaches it) and
-`TESSERA_SAMPLE_LOG=<file>` (what each step trained on).
+stage k), `TESSERA_FAULT_ONCE=<file>` (a kill only in the first launch that reaches it),
+`TESSERA_FAULT=slow:<seconds>` (a straggler: each step, and the preflight's matmul, that much slower),
+`TESSERA_FREEZE=rank|group:<tokens>` with `TESSERA_FREEZE_RANK` and `TESSERA_FREEZE_ONCE` (a SIGSTOP of the rank,
+or of its whole process group, right after a step: a hang for the watchdog) and `TESSERA_SAMPLE_LOG=<file>` (what
+each step trained on).
 """
 
 from __future__ import annotations
