@@ -262,9 +262,10 @@ def _stop_without_progress(run_dir: Path, stage_name: str, spec: TrainJob, last:
     """K launches of the stage in a row (its Prefect retries included) that ended without a new checkpoint: stop as
     fatal, instead of spending the rest of the preemption budget on a run that is going nowhere."""
     limit = spec.train.watchdog.no_progress_launches
-    streak = launch_ledger.no_progress_streak(launch_ledger.read(run_dir), stage_name)
+    records = launch_ledger.read(run_dir)
+    streak = launch_ledger.no_progress_streak(records, stage_name)
     if streak >= limit:
-        newest = launch_ledger.read(run_dir)[-1].get("tokens_after") or 0
+        newest = records[-1].get("tokens_after") or 0
         raise NoProgress(
             f"stage {stage_name}: {streak} launches in a row ended without a new checkpoint (the newest is at "
             f"{newest:,} tokens; train.watchdog.no_progress_launches={limit}); stopping instead of relaunching "
