@@ -203,98 +203,69 @@ def test_the_default_loss_guard_stops_a_loss_no_training_state_reaches():
     off.batch_end(state(3e8), None)  # turned off: only NaN/inf (and spike_factor, if set) stop it
 
 
-@pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
-def test_fsdp_settings_parse_as_composer_fsdp_config(monkeypatch, sharding):
-    """No GPU here, so FSDP never runs in this suite: at least Composer's own parser must accept what we pass."""
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"])
+def test_sharding_settings_parse_as_composer_fsdp2_config(monkeypatch, sharding):
+    """What Composer's own parser makes of each recipe setting (the runs themselves are the end-to-end tests)."""
     import torch
     from composer import Trainer
+    from composer.utils.parallelism import FSDP2Config
 
     from tests.support.training import tiny_job
-    from trainers.build import fsdp_config
-    from trainers.model import build_model
+    from trainers.model import build_model_on_meta
+    from trainers.sharding import parallelism_config
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # HYBRID_SHARD needs NCCL; the rest run on CPU
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     job = tiny_job(
         "/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": sharding, "activation_checkpointing": True}
     )
-    model = build_model(job.model, 512, SEQ, 0, seed=0)
-    parsed = Trainer._parse_parallelism_config(None, fsdp_config(job.train.parallelism, model, world_size=4)).fsdp
-    assert (parsed.sharding_strategy, parsed.activation_checkpointing, parsed.state_dict_type) == (
-        sharding,
+    model = build_model_on_meta(job.model, 512, SEQ, 0)
+    config = parallelism_config(job.train.parallelism, model, 4, "tiny-s0-tok{token}")
+    if sharding == "NO_SHARD":
+        assert config is None  # Composer wraps the model in DDP
+        return
+    parsed = Trainer._parse_parallelism_config(None, config).fsdp2
+    assert isinstance(parsed, FSDP2Config)
+    assert (parsed.state_dict_type, parsed.activation_checkpointing, parsed.mixed_precision) == (
+        "sharded",
         True,
-        "full",
+        "DEFAULT",
     )
-    assert (parsed.data_parallel_shard_degree, parsed.data_parallel_replicate_degree) == (
-        (2, 2) if sharding == "HYBRID_SHARD" else (-1, None)
+    assert parsed.reshard_after_forward == (sharding != "SHARD_GRAD_OP")
+    assert parsed.sharded_ckpt_prefix_dir == "tiny-s0-tok{token}"  # the run's own names, not ep{epoch}-ba{batch}
+    assert (parsed.data_parallel_replicate_degree, parsed.data_parallel_shard_degree) == (
+        (2, 2) if sharding == "HYBRID_SHARD" else (None, -1)
     )
     assert all(layer._fsdp_wrap and layer._activation_checkpointing for layer in model.model.layers)
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated before sharding
 
 
-def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_path, monkeypatch):
-    """Power loss or a node crash must not leave a manifest naming bytes still in the page cache: the
-    checkpoint and its directory are fsynced before the manifest exists, the manifest folder after."""
-    import os
+def test_hybrid_sharding_on_cpu_ranks_is_one_line_fatal():
+    from tests.support.training import tiny_job
+    from trainers.model import build_model_on_meta
+    from trainers.sharding import parallelism_config
 
-    from trainers.format.checkpoints import CheckpointInfo, manifest_path, publish
-
-    synced: list[tuple[str, bool]] = []  # (what was fsynced, did the manifest exist yet)
-    real_fsync = os.fsync
-    target = manifest_path(tmp_path, 1024)
-
-    def recording_fsync(fd):
-        synced.append((os.readlink(f"/proc/self/fd/{fd}"), target.exists()))
-        return real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
-    ckpt = tmp_path / "tiny-s0-tok1024-rank0.pt"
-    ckpt.write_bytes(b"x" * 1000)
-    publish(tmp_path, CheckpointInfo(path=str(ckpt), tokens=1024, batch=1, stage="warm", stage_index=0))
-    assert synced[:2] == [(str(ckpt), False), (str(tmp_path), False)]
-    assert synced[-1] == (str(target.parent), True)
+    job = tiny_job("/unused", {"a": "unused"}, STAGES[:1], parallelism={"sharding": "HYBRID_SHARD"})
+    with pytest.raises(FatalError, match=r"HYBRID_SHARD needs GPUs .*use FULL_SHARD on CPU ranks"):
+        parallelism_config(job.train.parallelism, build_model_on_meta(job.model, 512, SEQ, 0), 4, "x")
 
 
-def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(tmp_path):
-    import hashlib
-
+def test_init_is_the_same_whole_and_as_shards():
+    """init_weights draws each parameter whole from its own seed: a rank that holds a slice holds exactly that
+    slice of what one process draws, whatever the number of ranks."""
     import torch
 
-    from trainers.format.checkpoints import CheckpointInfo, damage, list_complete, publish
+    from trainers.config import ModelConfig
+    from trainers.model import build_model, build_model_to_load, init_weights
 
-    mine, other = tmp_path / "tiny-s0-tok1024-rank0.pt", tmp_path / "other.pt"
-    torch.save({"w": torch.zeros(64)}, mine)
-    torch.save({"w": torch.ones(64)}, other)
-    published = publish(tmp_path, CheckpointInfo(path=str(mine), tokens=1024, batch=1, stage="warm", stage_index=0))
-    assert published.sha256 == hashlib.sha256(mine.read_bytes()).hexdigest() == list_complete(tmp_path)[0].sha256
-    assert damage(mine, published.sha256) is None
-    mine.write_bytes(other.read_bytes())  # a complete, valid checkpoint: just not the one published
-    assert damage(mine) is None  # every zip CRC is right
-    assert damage(mine, published.sha256).startswith("SHA-256 ")
-
-
-def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
-    from tests.support.training import tiny_job
-    from trainers.format.checkpoints import CheckpointInfo, list_complete, publish
-    from trainers.saver import PublishingCheckpointSaver
-
-    job = tiny_job(
-        tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2
-    )
-    Path(job.save_folder).mkdir(parents=True)
-    for tokens in (1024, 2048, 2560):
-        path = Path(job.save_folder) / f"tiny-s0-tok{tokens}-rank0.pt"
-        path.write_bytes(b"x")
-        publish(
-            job.save_folder,
-            CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0),
-        )
-    other = Path(job.save_folder) / "other-s0-tok512-rank0.pt"  # another run sharing the folder keeps its own
-    other.write_bytes(b"x")
-    publish(job.save_folder, CheckpointInfo(path=str(other), tokens=512, batch=1, stage="warm", stage_index=0))
-    saver = PublishingCheckpointSaver(job, 0)
-    saver.run_folder.keep_last(saver.keep_last_k)
-    assert [c.tokens for c in list_complete(job.save_folder)] == [512, 2048, 2560]
-    assert not (Path(job.save_folder) / "tiny-s0-tok1024-rank0.pt").exists()
+    whole = build_model(ModelConfig(), 512, 32, 0, seed=5)
+    again = build_model_to_load(ModelConfig(), 512, 32, 0)
+    init_weights(again, 0.02, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), again.state_dict().values()))
+    other = build_model(ModelConfig(), 512, 32, 0, seed=6)
+    assert not torch.equal(whole.model.embed_tokens.weight, other.model.embed_tokens.weight)
+    weight = whole.model.layers[0].mlp.up_proj.weight
+    assert abs(float(weight.std()) - 0.02) < 0.002 and torch.equal(whole.model.norm.weight, torch.ones(64))
 
 
 # ---------------------------------------------------------------- end to end

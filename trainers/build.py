@@ -24,7 +24,7 @@ from composer.models import HuggingFaceModel
 from trainers import folder_lock, heartbeat, preflight
 from trainers import model as model_lib
 from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
-from trainers.config import MlflowTarget, OptimConfig, ParallelismConfig, Stage, TrainJob
+from trainers.config import MlflowTarget, OptimConfig, Stage, TrainJob
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
@@ -46,6 +46,7 @@ from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
 from trainers.schedule import GlobalLRSchedule
+from trainers.sharding import average_gradients_over_gloo, is_sharded, parallelism_config, shard_initialised
 from trainers.shm import clean_stale_streaming_shm
 
 log = logging.getLogger("tessera.train")
@@ -263,31 +264,6 @@ def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
         hf_module._is_registered_causal_lm = probe
 
 
-def fsdp_config(par: ParallelismConfig, hf_model, world_size: int) -> dict | None:
-    """Composer parallelism_config for multi-GPU runs (None: single device, or CPU where ranks use DDP).
-
-    Each decoder block is one FSDP unit (and one activation-checkpointing unit): blocks are the
-    natural granularity for all-gathers to overlap compute. Checkpoints stay `full` (one file on
-    rank 0), which keeps the manifest contract and export unchanged.
-    """
-    if not torch.cuda.is_available() or world_size == 1:
-        return None
-    for layer in hf_model.model.layers:
-        layer._fsdp_wrap = True
-        layer._activation_checkpointing = par.activation_checkpointing
-    fsdp = {
-        "sharding_strategy": par.sharding,
-        "activation_checkpointing": par.activation_checkpointing,
-        "mixed_precision": "DEFAULT",
-        "state_dict_type": "full",
-        "use_orig_params": True,
-    }
-    if par.sharding == "HYBRID_SHARD":  # shard within a node, replicate across nodes
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        fsdp |= {"data_parallel_shard_degree": per_node, "data_parallel_replicate_degree": world_size // per_node}
-    return {"fsdp": fsdp}
-
-
 def _resolve_model_uri(uri: str, tracking: MlflowTarget | None, download_to: str) -> str:
     """A local HF directory for `model.init_from`; MLflow registry URIs are downloaded first."""
     if not uri.startswith("models:/"):
@@ -307,15 +283,17 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         log.info("stage %s is already complete", stage.name)
         return None
     checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
-    hf_model, model = _model(job, plan)
+    hf_model, model, init_source = _model(job, plan)
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
     if checked is not None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
     heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
-    with _refused_as_fatal(plan):
+    with _refused_as_fatal(plan), shard_initialised(job.model.init_std, job.train.seed, init_source):
         trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
+    if is_sharded(job.train.parallelism, world()[1]):
+        average_gradients_over_gloo(trainer.state.model)
     if plan.kind == "enter":
         # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
         # dataset starts at sample 0: restart the epoch counters, keep the run-wide token count.
@@ -388,15 +366,31 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     return plan, skip
 
 
-def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFaceModel]:
-    """The HF model (initialised only when nothing will overwrite it) and Composer's wrapper with the tokenizer."""
-    if plan.kind == "fresh" and not job.model.init_from:
-        hf_model = model_lib.build_model(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id, job.train.seed)
+def _model(
+    job: TrainJob, plan: StartPlan
+) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
+    """The HF model, Composer's wrapper with the tokenizer, and (sharded continued pretraining only) the
+    weights each rank's shards are filled from.
+
+    One process or DDP: the whole model, initialised only when nothing will overwrite it. Sharded: on the
+    meta device; Composer shards it and trainers/sharding.py fills each rank's shards as it is built.
+    """
+    sharded = is_sharded(job.train.parallelism, world()[1])
+    build = (job.model, job.vocab_size, job.max_seq_len, job.eos_token_id)
+    init_source = None
+    if sharded:
+        hf_model = model_lib.build_model_on_meta(*build)
+    elif plan.kind == "fresh" and not job.model.init_from:
+        hf_model = model_lib.build_model(*build, job.train.seed)
     else:  # every weight is about to be overwritten (a checkpoint, or init_from's): allocate, skip the init
-        hf_model = model_lib.build_model_to_load(job.model, job.vocab_size, job.max_seq_len, job.eos_token_id)
+        hf_model = model_lib.build_model_to_load(*build)
     if job.model.init_from and plan.kind == "fresh":  # later launches load the run's own checkpoints
         with tempfile.TemporaryDirectory(prefix="tessera-init-") as tmp:  # the weights end up in memory
-            model_lib.load_weights_from(hf_model, _resolve_model_uri(job.model.init_from, job.mlflow, tmp))
+            source_dir = _resolve_model_uri(job.model.init_from, job.mlflow, tmp)
+            if sharded:
+                init_source = model_lib.read_weights_from(hf_model, source_dir)
+            else:
+                model_lib.load_weights_from(hf_model, source_dir)
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -405,7 +399,7 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
             local = str(fetch_folder(local, cache_dir_for(local)))
         tokenizer = AutoTokenizer.from_pretrained(local)
-    return hf_model, _wrap(hf_model, tokenizer)
+    return hf_model, _wrap(hf_model, tokenizer), init_source
 
 
 def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> tuple[list, MlflowMetrics, RestoreRng]:
@@ -460,8 +454,9 @@ def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.M
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
     device_batch = stage.batch_size // world_size
-    if microbatch == "auto" and not on_gpu:
-        microbatch = device_batch  # Composer's auto search works by catching CUDA OOMs
+    if microbatch == "auto" and (not on_gpu or is_sharded(job.train.parallelism, world_size)):
+        # Composer's auto search works by catching CUDA OOMs, and its FSDP2 path has none
+        microbatch = device_batch
     elif microbatch != "auto":
         microbatch = min(microbatch, device_batch)
     algorithms = []
@@ -471,7 +466,9 @@ def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.M
         "max_duration": f"{stage.end}tok",
         "device_train_microbatch_size": microbatch,
         "precision": precision,
-        "parallelism_config": fsdp_config(job.train.parallelism, hf_model, world_size),
+        "parallelism_config": parallelism_config(
+            job.train.parallelism, hf_model, world_size, RunFolder.of(job).sharded_template(stage.index)
+        ),
         "algorithms": algorithms,
         "run_name": job.run_name,
         "seed": job.train.seed,

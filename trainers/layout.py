@@ -1,7 +1,8 @@
 """A run's save folder: what each file is called, and the one place that removes a checkpoint.
 
 Layout of `save_folder` (names are scoped by run_name, so two runs can share a folder):
-    <run>-s<K>-tok<T>-rank0.pt       Composer checkpoint of stage K after T tokens of the run
+    <run>-s<K>-tok<T>-rank0.pt       Composer checkpoint of stage K after T tokens of the run (one rank, DDP)
+    <run>-s<K>-tok<T>/               the same, sharded (trainers/sharding.py): __<rank>_0.distcp, .metadata
     latest-<run>-s<K>-rank0.pt       symlink Composer autoresume follows, per stage
     manifests/tok-<T>.json           done-marker (trainers/checkpoints.py), written after the .pt is complete
     <run>-stages.json                ledger of stage specs already trained on (trainers/trained_stages.py)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +40,21 @@ def atomic_symlink(target: Path, link: Path) -> None:
     os.replace(tmp, link)
 
 
+def remove(path: Path) -> None:
+    """Delete a checkpoint, a file or a sharded folder. A folder is renamed aside first, so a kill midway
+    never leaves a partial folder under a checkpoint's name."""
+    if path.is_dir() and not path.is_symlink():
+        doomed = path.with_name(f".removing-{path.name}")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def discard(path: Path) -> None:
-    """Remove a checkpoint file that never had a manifest (cut short by a kill, or downloaded incomplete)."""
-    path.unlink(missing_ok=True)
+    """Remove a checkpoint that never had a manifest (cut short by a kill, or downloaded incomplete)."""
+    remove(path)
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,10 @@ class RunFolder:
         """Composer filename template (it fills {token} and {rank})."""
         return f"{self.run_name}-s{stage_index}-tok{{token}}-rank{{rank}}.pt"
 
+    def sharded_template(self, stage_index: int) -> str:
+        """Composer's folder template for a sharded checkpoint (it fills {token})."""
+        return f"{self.run_name}-s{stage_index}-tok{{token}}"
+
     def latest_template(self, stage_index: int) -> str:
         return f"latest-{self.run_name}-s{stage_index}-rank{{rank}}.pt"
 
@@ -78,16 +96,17 @@ class RunFolder:
     def owns(self, name: str) -> re.Match | None:
         """Whether a file name is one of this run's checkpoints (not another run's sharing the folder);
         the match's groups are the stage index and the token count."""
-        return re.match(rf"^{re.escape(self.run_name)}-s(\d+)-tok(\d+)-rank0\.pt$", name)
+        return re.match(rf"^{re.escape(self.run_name)}-s(\d+)-tok(\d+)(?:-rank0\.pt)?$", name)
 
     # ------------------------------------------------------------ what is there
 
     def files(self) -> list[tuple[int, int, Path]]:
-        """(stage_index, tokens, path) of this run's checkpoint files on disk, published or not."""
+        """(stage_index, tokens, path) of this run's checkpoints on disk (files and sharded folders), published
+        or not."""
         found = []
-        for path in self.path.glob(f"{self.run_name}-s*-tok*-rank0.pt"):
+        for path in self.path.glob(f"{self.run_name}-s*-tok*"):
             match = self.owns(path.name)
-            if match:
+            if match and (path.is_dir() == (not path.name.endswith(".pt"))):
                 found.append((int(match[1]), int(match[2]), path))
         return sorted(found)
 
@@ -107,7 +126,9 @@ class RunFolder:
 
     def set_aside(self, path: Path) -> None:
         """A complete file that no step of the curriculum explains: moved out of autoresume's way, kept."""
-        os.replace(path, path.with_name(path.name + ".unpublished"))
+        aside = path.with_name(path.name + ".unpublished")
+        remove(aside)
+        os.replace(path, aside)
         log.warning(
             "checkpoint %s matches no step of this job's curriculum: set aside as %s.unpublished", path, path.name
         )
@@ -116,7 +137,7 @@ class RunFolder:
         """Rotate a published checkpoint out: the manifest first, so a watcher never sees one whose file
         is gone mid-read (an evaluator pins what it reads, tasks/pins.py)."""
         checkpoints.manifest_path(self.path, info.tokens).unlink(missing_ok=True)
-        Path(info.path).unlink(missing_ok=True)
+        remove(Path(info.path))
 
     def keep_last(self, keep: int | None) -> None:
         """Retire all but the newest `keep` published checkpoints of this run; None keeps all."""
@@ -134,5 +155,6 @@ class RunFolder:
         kept = Path(f"{info.path}.corrupt")
         for old in self.path.glob("*.corrupt"):
             if old != kept and self.owns(old.name.removesuffix(".corrupt")):
-                old.unlink(missing_ok=True)
+                remove(old)
+        remove(kept)
         os.replace(info.path, kept)

@@ -16,6 +16,7 @@ an SDPA attention path that runs flash / memory-efficient kernels on GPU.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -81,17 +82,57 @@ def llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised decoder. The seed makes init identical on every rank and every relaunch."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(cfg, vocab_size, max_seq_len, eos_token_id))
+    """A freshly initialised decoder, identical on every rank, every relaunch and every number of ranks."""
+    model = build_model_to_load(cfg, vocab_size, max_seq_len, eos_token_id)
+    init_weights(model, cfg.init_std, seed)
     return model
+
+
+def build_model_on_meta(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int) -> LlamaForCausalLM:
+    """The decoder with every parameter on the meta device (no memory), for FSDP to shard before anything is
+    allocated: each rank then allocates and fills only its own shards (init_weights, or a checkpoint)."""
+    with parameters_on_meta():
+        return LlamaForCausalLM(llama_config(cfg, vocab_size, max_seq_len, eos_token_id))
 
 
 def build_model_to_load(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int) -> LlamaForCausalLM:
     """The decoder with uninitialised weights, for a launch that loads a checkpoint over them."""
-    with parameters_on_meta():
-        model = LlamaForCausalLM(llama_config(cfg, vocab_size, max_seq_len, eos_token_id))
-    return empty_like_meta(model)
+    return empty_like_meta(build_model_on_meta(cfg, vocab_size, max_seq_len, eos_token_id))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A generator seed per parameter name: stable across processes (unlike hash()), so a rank that holds one
+    shard draws the same full tensor a single process draws."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, std: float, seed: int, source: dict[str, torch.Tensor] | None = None) -> None:
+    """Fill every parameter: matrices N(0, std) and norm gains 1 (what LlamaForCausalLM's own init does), or
+    `source[name]` (continued pretraining) when given.
+
+    Each matrix is drawn whole on the CPU from its own generator, seeded by the run's seed and the parameter's
+    name, then each process keeps the part it holds: a plain tensor keeps all of it, an FSDP2 shard (a DTensor)
+    only its slice. So init is the same on 1 rank, under DDP and under FSDP2 at any rank count, and the peak is
+    one parameter's full tensor, never the model's.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in model.named_parameters():  # tied weights are listed once
+        name = name.replace("._checkpoint_wrapped_module", "")  # activation checkpointing's wrapper
+        if source is not None:
+            full = source[name].to(torch.float32)
+        elif param.dim() < 2:
+            full = torch.ones(param.shape)
+        else:
+            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds the same full tensor, so each slices its own (no scatter)
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
 
 
 @dataclass(frozen=True)
@@ -148,6 +189,13 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
     Building from the recipe and copying (rather than adopting the directory's config) keeps one
     source of truth for the architecture; a directory that does not fit is refused by name.
     """
+    model.load_state_dict(read_weights_from(model, source_dir), strict=True)
+    return model
+
+
+def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, torch.Tensor]:
+    """An HF model directory's weights by parameter name, after checking they fit `model` (which may be on the
+    meta device: a sharded launch fills each rank's shards from them, trainers/sharding.py)."""
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -171,5 +219,4 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
                 f"builds {name}={getattr(ours, field)!r}"
             )
     source = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
-    model.load_state_dict(source.state_dict(), strict=True)
-    return model
+    return source.state_dict()

@@ -1,6 +1,7 @@
 """Where a launch starts from: the repair of what a kill left in the save folder, and the start plan.
 
-The order of a save (trainers/saver.py) is: write .pt -> publish manifest -> repoint the latest symlink.
+The order of a save (trainers/saver.py) is: write .pt (or every rank's shard) -> publish manifest -> repoint
+the latest symlink.
 A kill at any point leaves the symlink on the previous complete checkpoint, so autoresume never
 follows a half-written file. Before each launch, rank 0's `plan_start` repairs what a kill can leave
 behind (trainers/layout.py names the files and removes them):
@@ -20,6 +21,7 @@ A launch of stage K is one of:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Literal
 
 from trainers import trained_stages
 from trainers.config import Stage, TrainJob
-from trainers.exit_codes import FatalError
+from trainers.exit_codes import FatalError, RetryableError
 from trainers.faults import maybe_stall
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo, is_intact
@@ -70,7 +72,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     stage = job.stage(stage_index)
     if remote is not None:
         good = reconcile(remote, folder, job.train.keep_checkpoints, stage, good)
-    good = _verified_newest(folder, stage_index, good)
+    good = _verified_newest(folder, stage_index, good, remote)
 
     own = [c for c in good if c.stage_index == stage_index]
     if own:
@@ -105,7 +107,7 @@ def _repaired(folder: RunFolder, stages: list[Stage]) -> list[CheckpointInfo]:
     for stage_index, tokens, path in folder.files():
         if path.resolve() in published:
             continue
-        if not is_intact(path) or checkpoints.damage(path) is not None:
+        if not is_intact(path) or (path.is_file() and checkpoints.damage(path) is not None):
             discard(path)
             continue
         info = _rederived(stages[stage_index], tokens, path) if stage_index < len(stages) else None
@@ -119,11 +121,19 @@ def _repaired(folder: RunFolder, stages: list[Stage]) -> list[CheckpointInfo]:
 
 def _rederived(stage: Stage, tokens: int, path: Path) -> CheckpointInfo | None:
     """The manifest a complete checkpoint named `<run>-s<K>-tok<T>` had: its step count follows from the
-    curriculum's batch sizes. None if no step of stage K ends at T tokens."""
+    curriculum's batch sizes. None if no step of stage K ends at T tokens.
+
+    A sharded folder is hashed as it is now: its `.metadata` exists only once every rank's shard was
+    written, and DCP checks each tensor's extent in the files as it loads.
+    """
     into = tokens - stage.start
     if not 0 < into <= stage.tokens or into % stage.tokens_per_batch:
         return None
+    files = None
+    if path.is_dir():
+        files = checkpoints.shard_files(path, sorted(p.name for p in path.iterdir() if p.is_file()))
     return CheckpointInfo(
+        files=files,
         path=str(path.resolve()),
         tokens=tokens,
         batch=stage.first_batch + into // stage.tokens_per_batch,
@@ -132,9 +142,14 @@ def _rederived(stage: Stage, tokens: int, path: Path) -> CheckpointInfo | None:
     )
 
 
-def _verified_newest(folder: RunFolder, stage_index: int, good: list[CheckpointInfo]) -> list[CheckpointInfo]:
+def _verified_newest(
+    folder: RunFolder, stage_index: int, good: list[CheckpointInfo], remote: RemoteFolder | None
+) -> list[CheckpointInfo]:
     """`good` without the damaged checkpoints among those this launch would start from: the newest of
-    this stage, or the previous stage's end when entering. Older ones are checked only if needed."""
+    this stage, or the previous stage's end when entering. Older ones are checked only if needed.
+
+    A sharded checkpoint saved by several nodes on node-local disks has only this node's shards here:
+    the others are fetched from the s3:// save folder first, then the whole folder is verified."""
     good = list(good)
     while True:
         own = [c for c in good if c.stage_index == stage_index]
@@ -142,7 +157,10 @@ def _verified_newest(folder: RunFolder, stage_index: int, good: list[CheckpointI
         if not candidates:
             return good
         newest = max(candidates, key=lambda c: c.tokens)
-        why = checkpoints.damage(newest.path, newest.sha256)
+        if newest.sharded and checkpoints.missing(newest) and remote is not None:
+            with contextlib.suppress(RetryableError):  # not in the mirror (yet): withdrawn below as incomplete
+                newest = remote.download(newest, folder.path)
+        why = checkpoints.damage_of(newest)
         if why is None:
             return good
         folder.withdraw(newest, why)
@@ -165,7 +183,7 @@ def prepare_node(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
         return
     info = CheckpointInfo.model_validate(plan.checkpoint)
     path = Path(info.path)
-    if not (path.is_file() and is_intact(path)):
+    if checkpoints.missing(info) or not is_intact(path):
         remote = RemoteFolder.for_job(job)
         if remote is None:
             raise FatalError(

@@ -126,9 +126,9 @@ class RemoteFolder:
         return sorted(found, key=lambda c: c.tokens)
 
     def upload_now(self, info: CheckpointInfo) -> None:
-        """Blocking upload of a local complete checkpoint: the .pt, then its manifest."""
-        name = Path(info.path).name
-        self.store.upload_object(name, info.path)
+        """Blocking upload of a local complete checkpoint: the .pt (or the folder's files), then its manifest."""
+        for name, local in _objects(info):
+            self.store.upload_object(name, str(local))
         self._put_manifest(info)
 
     def _put_manifest(self, info: CheckpointInfo) -> None:
@@ -140,6 +140,8 @@ class RemoteFolder:
         name = Path(info.path).name
         target = folder / name
         log.info("downloading %s (%d tokens) from %s", name, info.tokens, self.uri)
+        if info.sharded:
+            return self._download_folder(info, target, folder)
         size = 0
         with contextlib.suppress(Exception):  # the size only sizes the watchdog's budget
             size = int(self.store.get_object_size(name))
@@ -153,6 +155,24 @@ class RemoteFolder:
         # The manifest keeps the SHA-256 taken where it was saved: the plan verifies the copy against it.
         return checkpoints.publish(folder, info.model_copy(update={"path": str(target.resolve())}))
 
+    def _download_folder(self, info: CheckpointInfo, target: Path, folder: Path) -> CheckpointInfo:
+        """A sharded checkpoint's files this node lacks (all of them on a fresh node; the other nodes' shards
+        on one whose disk has its own), each downloaded whole (temp file, rename); the manifest's hashes
+        stay those taken where it was saved, and the plan verifies the copy against them."""
+        local = info.model_copy(update={"path": str(target.resolve())})
+        absent = checkpoints.missing(local)
+        heartbeat.phase("download", hint_bytes=sum(f.size for f in info.files if f.name in absent))
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            for name in absent:
+                self.store.download_object(f"{target.name}/{name}", str(target / name), overwrite=True)
+        except Exception as exc:
+            raise RetryableError(f"train.save_folder: {self.uri}/{target.name}: cannot download: {exc}") from exc
+        heartbeat.phase("plan")
+        if checkpoints.missing(local):
+            raise RetryableError(f"train.save_folder: {self.uri}/{target.name} downloaded incomplete")
+        return checkpoints.publish(folder, local)
+
     def upload_async(self, info: CheckpointInfo) -> None:
         """Start uploading a just-published checkpoint; poll() uploads its manifest once the .pt is up.
 
@@ -165,25 +185,24 @@ class RemoteFolder:
             from concurrent.futures import ThreadPoolExecutor
 
             self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-upload")
-        source = Path(info.path)
-        staged = source.parent / STAGING_DIR / source.name
-        staged.parent.mkdir(exist_ok=True)
-        staged.unlink(missing_ok=True)
-        os.link(source, staged)
+        staged = []
+        for name, source in _objects(info):
+            link = Path(info.path).parent / STAGING_DIR / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            os.link(source, link)
+            staged.append((name, link))
 
         def upload() -> None:
-            self.store.upload_object(source.name, str(staged))
-            staged.unlink(missing_ok=True)
+            for name, link in staged:
+                self.store.upload_object(name, str(link))
+                link.unlink(missing_ok=True)
 
         self._pending.append((self._uploader.submit(upload), info))
 
     def pending_bytes(self) -> int:
         """What is still to upload, for the watchdog's budget of the stage's last uploads."""
-        total = 0
-        for _, info in self._pending:
-            with contextlib.suppress(OSError):
-                total += Path(info.path).stat().st_size
-        return total
+        return sum(info.size for _, info in self._pending)
 
     def poll(self, keep: int | None, block: bool = False) -> None:
         """Publish remote manifests for finished uploads, in save order; raise an upload's error."""
@@ -199,7 +218,11 @@ class RemoteFolder:
     def retire(self, info: CheckpointInfo) -> None:
         """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py)."""
         self._delete(_manifest_name(info.tokens))
-        self._delete(Path(info.path).name)
+        if info.sharded:
+            for entry in info.files:
+                self._delete(f"{Path(info.path).name}/{entry.name}")
+        else:
+            self._delete(Path(info.path).name)
 
     def keep_last(self, keep: int | None) -> None:
         if keep is None:
@@ -211,6 +234,16 @@ class RemoteFolder:
         if self._uploader is not None:
             self._uploader.shutdown(wait=True)
             self._uploader = None
+
+
+def _objects(info: CheckpointInfo) -> list[tuple[str, Path]]:
+    """(object name, local path) of each file of a checkpoint: the .pt, or a sharded folder's files (the
+    `.metadata` last, so a listing never shows an index before the shards it indexes)."""
+    path = Path(info.path)
+    if not info.sharded:
+        return [(path.name, path)]
+    names = sorted((f.name for f in info.files), key=lambda n: n == checkpoints.SHARD_METADATA)
+    return [(f"{path.name}/{name}", path / name) for name in names]
 
 
 def reconcile(

@@ -1,8 +1,8 @@
 """The checkpoint saver: when a step is saved, and how a saved file becomes visible.
 
-Composer's CheckpointSaver writes the file; this one publishes its manifest (the done-marker,
-trainers/checkpoints.py), then moves the stage's latest symlink, then hands the file to the s3://
-mirror, then rotates. The names and the removal of old files are trainers/layout.py's; the repair
+Composer's CheckpointSaver writes the file (or, sharded, every rank its shard of the folder); this one
+publishes its manifest (the done-marker, trainers/format/checkpoints.py), then moves the stage's latest
+symlink, then hands the checkpoint to the s3:// mirror, then rotates. The names and the removal of old files are trainers/layout.py's; the repair
 a launch does first is trainers/plan.py's.
 """
 
@@ -82,16 +82,21 @@ class PublishingCheckpointSaver(CheckpointSaver):
     def _publish(self, state: State) -> None:
         tokens = int(state.timestamp.token.value)
         self.last_saved_tokens = tokens
+        files = None
+        if state.fsdp_sharded_state_dict_enabled:
+            path, files = self._shards_written(tokens)
+        elif dist.get_global_rank() == 0:
+            path = Path(self.saved_checkpoints[-1]).resolve()
+            maybe_fault("save", tokens, path)
         if dist.get_global_rank() != 0:
             return
-        path = Path(self.saved_checkpoints[-1]).resolve()
-        maybe_fault("save", tokens, path)
         info = CheckpointInfo(
             path=str(path),
             tokens=tokens,
             batch=int(state.timestamp.batch.value),
             stage=self.run_stage.name,
             stage_index=self.run_stage.index,
+            files=files,
         )
         info = checkpoints.publish(self.run_folder.path, info)
         self.run_folder.point_latest(self.run_stage.index, path)
@@ -101,6 +106,25 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.run_folder.keep_last(self.keep_last_k)
         # Where this launch's time went, up to a checkpoint that stays (the goodput ledger reads it)
         self._record_time(tokens, final=False)
+
+    def _shards_written(self, tokens: int):
+        """(folder, every file of it) of the sharded checkpoint all ranks just wrote.
+
+        Each rank fsyncs and hashes the files it wrote itself (its shard; rank 0 also DCP's .metadata), so
+        the work is spread and no rank reads a file another node's disk holds; rank 0 gathers the list and
+        publishes it. A rank killed before the gather leaves the folder without a manifest: incomplete.
+        """
+        folder = (self.run_folder.path / self.run_folder.sharded_template(self.run_stage.index).format(token=tokens))
+        folder = folder.resolve()
+        rank = dist.get_global_rank()
+        mine = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
+        if rank == 0:
+            mine.append(checkpoints.SHARD_METADATA)
+        for name in mine[:1]:
+            maybe_fault("save", tokens, folder / name)  # a kill mid-write of this rank's shard
+        entries = [e.model_dump() for e in checkpoints.shard_files(folder, mine)]
+        every = [checkpoints.ShardFile(**e) for per_rank in dist.all_gather_object(entries) for e in per_rank]
+        return folder, sorted(every, key=lambda e: e.name)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         super().batch_end(state, logger)

@@ -1,9 +1,11 @@
 """The checkpoint contract between the trainer and whoever watches it (the flow, `tessera eval`).
 
-Composer writes `<save_folder>/<name>.pt`. Only after that file is complete does the
-trainer publish a manifest `<save_folder>/manifests/tok-<tokens>.json` (trainers/format/atomic.py:
-temp file, fsync, rename, folder fsync), so a watcher never sees a half-written checkpoint. The manifest is the
-done-marker: a `.pt` without one is treated as incomplete.
+Composer writes `<save_folder>/<name>.pt` (one rank, DDP), or a folder `<save_folder>/<name>/` in which each
+rank writes its own shard and rank 0 the DCP `.metadata` (sharded, trainers/sharding.py). Only after every
+byte of it is on disk does the trainer publish a manifest `<save_folder>/manifests/tok-<tokens>.json`
+(trainers/format/atomic.py: temp file, fsync, rename, folder fsync), so a watcher never sees a half-written
+checkpoint. The manifest is the done-marker: a checkpoint without one is treated as incomplete. For a
+folder it lists every file with its size and SHA-256.
 """
 
 from __future__ import annotations
@@ -19,10 +21,21 @@ from trainers.format.atomic import CutShort, atomic_write, fsync_path, read_json
 MANIFEST_DIR = "manifests"
 
 
+SHARD_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint, written last
+
+
+class ShardFile(BaseModel):
+    """One file of a sharded checkpoint folder."""
+
+    name: str = Field(..., description="File name inside the checkpoint folder.")
+    size: int = Field(..., description="Bytes.")
+    sha256: str = Field(..., description="SHA-256 of the file, taken by the rank that wrote it.")
+
+
 class CheckpointInfo(BaseModel):
     """A complete checkpoint, as published by the trainer."""
 
-    path: str = Field(..., description="Absolute path of the Composer checkpoint file.")
+    path: str = Field(..., description="Absolute path of the Composer checkpoint file, or of a sharded one's folder.")
     tokens: int = Field(..., description="Tokens seen since the start of the run.")
     batch: int = Field(..., description="Optimizer steps since the start of the run.")
     stage: str = Field(..., description="Name of the curriculum stage that produced it.")
@@ -30,8 +43,26 @@ class CheckpointInfo(BaseModel):
     sha256: str | None = Field(
         None,
         description="SHA-256 of the file, taken when it was published; what resuming and evaluating verify. "
-        "Null only in manifests written before it was recorded (their files are checked by zip CRCs).",
+        "Null for a sharded folder (see files), and in manifests written before it was recorded (their files are "
+        "checked by zip CRCs).",
     )
+    files: list[ShardFile] | None = Field(
+        None, description="A sharded checkpoint's files (its shards and .metadata); null for a single file."
+    )
+
+    @property
+    def sharded(self) -> bool:
+        return self.files is not None
+
+    @property
+    def size(self) -> int:
+        """Bytes of the checkpoint; 0 when unknown (an old single-file manifest whose file is gone)."""
+        if self.files is not None:
+            return sum(f.size for f in self.files)
+        try:
+            return Path(self.path).stat().st_size
+        except OSError:
+            return 0
 
 
 def manifest_path(save_folder: str | Path, tokens: int) -> Path:
@@ -52,9 +83,12 @@ def publish(save_folder: str | Path, info: CheckpointInfo) -> CheckpointInfo:
     after a power loss or a node crash a manifest never describes a file the page cache had not
     yet written.
     """
-    if info.sha256 is None:  # the file was just written: read back from the page cache
-        info = info.model_copy(update={"sha256": file_sha256(info.path)})
-    fsync_path(info.path)
+    if info.files is not None:  # sharded: each rank hashed and fsynced its own files (trainers/saver.py)
+        fsync_path(info.path)
+    else:
+        if info.sha256 is None:  # the file was just written: read back from the page cache
+            info = info.model_copy(update={"sha256": file_sha256(info.path)})
+        fsync_path(info.path)
     fsync_path(Path(info.path).parent)
     # Only now the manifest, itself fsynced and renamed in, its folder fsynced after (atomic_write).
     atomic_write(manifest_path(save_folder, info.tokens), info.model_dump_json())
@@ -78,23 +112,70 @@ def list_complete(save_folder: str | Path) -> list[CheckpointInfo]:
         if record is None:  # a keep-last-K cleanup deleted it between the glob and the read
             continue
         info = CheckpointInfo.model_validate(record)
-        if Path(info.path).is_file():
+        if Path(info.path).is_dir() if info.sharded else Path(info.path).is_file():
             found.append(info)
     # by value, not name: the zero padding stops helping past 10^12 tokens
     return sorted(found, key=lambda c: c.tokens)
 
 
+def shard_files(folder: str | Path, names: list[str]) -> list[ShardFile]:
+    """The entries a manifest lists for files of a sharded checkpoint folder: each fsynced, sized, hashed."""
+    found = []
+    for name in names:
+        path = Path(folder) / name
+        fsync_path(path)
+        found.append(ShardFile(name=name, size=path.stat().st_size, sha256=file_sha256(path)))
+    return found
+
+
 def is_intact(path: str | Path) -> bool:
-    """Cheap integrity check of a torch.save zip: a file cut short by a kill has no central directory.
+    """Cheap integrity check: a torch.save zip cut short by a kill has no central directory; a sharded folder
+    cut short has no `.metadata` (DCP writes it after every rank's shard).
 
     It reads the directory at the end of the file, not the payload, so it stays O(1) for a 7B
     checkpoint; bit rot inside the payload is left to torch.load to report.
     """
+    if Path(path).is_dir():
+        return (Path(path) / SHARD_METADATA).is_file()
     try:
         with zipfile.ZipFile(path) as zf:
             return any(name.endswith("data.pkl") for name in zf.namelist())
     except (OSError, zipfile.BadZipFile):
         return False
+
+
+def missing(info: CheckpointInfo) -> list[str]:
+    """Files of a published checkpoint that are absent here, or not of their published size (cheap: no
+    hashing). A sharded checkpoint on node-local disks is whole on no node until fetched from s3."""
+    if info.files is None:
+        return [] if Path(info.path).is_file() else [Path(info.path).name]
+    absent = []
+    for entry in info.files:
+        try:
+            if (Path(info.path) / entry.name).stat().st_size == entry.size:
+                continue
+        except OSError:
+            pass
+        absent.append(entry.name)
+    return absent
+
+
+def damage_of(info: CheckpointInfo) -> str | None:
+    """What is wrong with a published checkpoint, file or folder, or None if every byte is as published."""
+    if info.files is None:
+        return damage(info.path, info.sha256)
+    for entry in info.files:
+        path = Path(info.path) / entry.name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{entry.name} is missing"
+        if size != entry.size:
+            return f"{entry.name} has {size} bytes, not the {entry.size} published"
+        why = damage(path, entry.sha256)
+        if why is not None:
+            return f"{entry.name}: {why}"
+    return None
 
 
 def damage(path: str | Path, sha256: str | None = None) -> str | None:

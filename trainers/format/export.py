@@ -10,7 +10,8 @@ from trainers.format.meta import parameters_on_meta
 
 
 def load_hf(ckpt_path: str | Path, *, trust: bool = False):
-    """(model, tokenizer) from one Composer HuggingFaceModel checkpoint; tokenizer is None if none was embedded.
+    """(model, tokenizer) from one Composer HuggingFaceModel checkpoint, a file or a sharded folder; tokenizer
+    is None if none was embedded.
 
     The file is read by the weights-only unpickler (trainers/format/safe_load.py): one that needs more
     raises UnsafeCheckpoint, naming it, unless `trust`.
@@ -22,6 +23,10 @@ def load_hf(ckpt_path: str | Path, *, trust: bool = False):
     """
     from composer.models import HuggingFaceModel
 
+    if Path(ckpt_path).is_dir():  # sharded: every rank's shard of the weights, read into one model
+        from trainers.format.sharded import load_hf_sharded
+
+        return load_hf_sharded(ckpt_path, trust=trust)
     checkpoint = safe_load.load(ckpt_path, trust=trust, mmap=True)
     hf_state = checkpoint["state"]["integrations"]["huggingface"]
     with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:

@@ -82,9 +82,50 @@ def allow_checkpoint_types() -> None:
 
 
 def force_weights_only() -> None:
-    """Every torch.load in this process, Composer's included, uses the weights-only unpickler from now on."""
+    """Every torch.load in this process, Composer's included, uses the weights-only unpickler from now on,
+    and so does the read of a sharded checkpoint's index (`guard_sharded_index`)."""
     allow_checkpoint_types()
     os.environ[FORCE_ENV] = "1"
+    guard_sharded_index()
+
+
+class _ShardIndexUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's `.metadata` is a plain pickle (torch reads it with pickle.load, whatever
+    weights_only says): only the classes an index is made of may load, each a record of plain values."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        allowed = module == "torch.distributed.checkpoint.metadata" or (module, name) in {
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),  # a layout by its name
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("pathlib", "PosixPath"),
+            ("collections", "OrderedDict"),
+        }
+        allowed = allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"Weights only load failed: unsupported GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+def guard_sharded_index() -> None:
+    """From now on this process reads a sharded checkpoint's `.metadata` with `_ShardIndexUnpickler` (idempotent).
+
+    torch's FileSystemReader is the one reader of that file, Composer's resume and ours alike; it calls its
+    module's `pickle.load`, which this replaces. A refused file raises pickle.UnpicklingError as torch's
+    weights-only refusals do, so it is reported the same way (refusal())."""
+    import types
+
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    if getattr(filesystem.pickle, "_tessera_guarded", False):
+        return
+    guarded = types.ModuleType("pickle")
+    guarded.__dict__.update(pickle.__dict__)
+    guarded.load = lambda f, **kw: _ShardIndexUnpickler(f, **kw).load()
+    guarded._tessera_guarded = True
+    filesystem.pickle = guarded
 
 
 def refusal(path: str | Path, exc: BaseException) -> str:
