@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "without it a zip CRC mismatch, refuses the checkpoint (exit 78): a flipped byte loads silently.",
     )
     p.add_argument(
+        "--files",
+        default=None,
+        help="A sharded checkpoint (--checkpoint names its folder): the manifest's file list as JSON, "
+        "[{name, size, sha256}, ...]; each file is downloaded and verified against it.",
+    )
+    p.add_argument(
         "--package-to",
         default=None,
         help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
@@ -76,15 +82,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _local_checkpoint(spec: str, into: Path) -> str:
-    """An s3:// checkpoint is downloaded first (the loaders read local files); anything else as given."""
+def _local_checkpoint(spec: str, into: Path, files: list[dict] | None = None) -> str:
+    """An s3:// checkpoint is downloaded first (the loaders read local files); anything else as given. A
+    sharded one is a folder: each of the manifest's files is downloaded into it."""
     if not spec.startswith("s3://"):
         return spec
     import boto3
 
+    client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
     bucket, _, key = spec[len("s3://") :].partition("/")
     local = into / Path(key).name
-    boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None).download_file(bucket, key, str(local))
+    if files is None:
+        client.download_file(bucket, key, str(local))
+        return str(local)
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in files:
+        client.download_file(bucket, f"{key.rstrip('/')}/{entry['name']}", str(local / entry["name"]))
     return str(local)
 
 
@@ -92,9 +105,15 @@ def _verified(path: str, args: argparse.Namespace) -> str:
     """The checkpoint as downloaded, if it is every byte the trainer published: the same check as in-process."""
     from evaluation.models import check_checkpoint
 
-    if Path(path).is_file():  # a Composer checkpoint; an HF dir or models:/ URI has no manifest to check against
-        check_checkpoint(path, args.sha256, shown=args.checkpoint)
+    if Path(path).is_file() or args.files:  # an HF dir or models:/ URI has no manifest to check against
+        check_checkpoint(path, args.sha256, shown=args.checkpoint, files=_files(args))
     return path
+
+
+def _files(args: argparse.Namespace) -> list | None:
+    from trainers.format.checkpoints import ShardFile
+
+    return [ShardFile.model_validate(e) for e in json.loads(args.files)] if args.files else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
-            loaded = load_model(_verified(_local_checkpoint(args.checkpoint, Path(tmp)), args), args.tracking_uri)
+            loaded = load_model(_verified(_local_checkpoint(args.checkpoint, Path(tmp), json.loads(args.files) if args.files else None), args), args.tracking_uri)
             model = loaded.model
             import torch
 

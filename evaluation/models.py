@@ -1,7 +1,7 @@
 """Turning what `tessera eval --model M` names into a transformers model and tokenizer.
 
 M is a Composer checkpoint (.pt written through composer's HuggingFaceModel, HF config and
-tokenizer embedded), an HF model directory, or an MLflow model URI (`models:/name@alias`,
+tokenizer embedded, or a sharded checkpoint's folder), an HF model directory, or an MLflow model URI (`models:/name@alias`,
 `models:/name/3`) whose artifact is an HF model directory.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.errors import GauntletError
-from trainers.format.checkpoints import damage
+from trainers.format.checkpoints import damage, folder_damage
 from trainers.format.mlflow_model import download_model
 
 _SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
@@ -101,14 +101,15 @@ def _from_mlflow_model(path: Path, source: str) -> LoadedModel:
     return LoadedModel(model, parts["tokenizer"], model_max_seq_len(model), source)
 
 
-def check_checkpoint(path: str, sha256: str | None, shown: str | None = None) -> None:
-    """Refuse a Composer checkpoint file that is not every byte the trainer published.
+def check_checkpoint(path: str, sha256: str | None, shown: str | None = None, files: list | None = None) -> None:
+    """Refuse a Composer checkpoint that is not every byte the trainer published.
 
     torch.load checks nothing, so a flipped byte would be scored (and then registered). With the
-    manifest's SHA-256 the whole file is compared; without one, its zip CRCs. `shown` names the
-    file in the error when it was downloaded from elsewhere.
+    manifest's SHA-256 the whole file is compared; without one, its zip CRCs; a sharded folder's
+    files each against the manifest's list (`files`). `shown` names the file in the error when it was
+    downloaded from elsewhere.
     """
-    why = damage(path, sha256)
+    why = folder_damage(path, files) if files is not None else damage(path, sha256)
     if why is not None:
         raise GauntletError(f"{shown or path}: damaged checkpoint, not evaluated: {why}")
 
@@ -127,6 +128,8 @@ def load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = Fals
     if path.is_dir():
         if (path / "MLmodel").is_file():
             return _from_mlflow_model(path, spec)
+        if (path / ".metadata").is_file():  # a sharded Composer checkpoint (trainers/format/sharded.py)
+            return _from_composer(spec, trust)
         if not (path / "config.json").is_file():
             raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
         return _from_hf_dir(path, spec)

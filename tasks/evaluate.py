@@ -7,6 +7,7 @@ compute.kubernetes.eval_concurrency at once, so the flow never loads the model i
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def evaluate_checkpoint(
     from evaluation.runner import run_gauntlet
 
     logger = get_run_logger()
-    check_checkpoint(checkpoint.path, checkpoint.sha256)
+    check_checkpoint(checkpoint.path, checkpoint.sha256, files=checkpoint.files)
     loaded = load_model(checkpoint.path)
     report = run_gauntlet(loaded.model, loaded.tokenizer, cfg, max_seq_len)
     title = f"Gauntlet at {checkpoint.tokens:,} tokens (stage {checkpoint.stage})"
@@ -143,6 +144,8 @@ def pod_args(
         model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens),
     ]
     args += ["--sha256", checkpoint.sha256] if checkpoint.sha256 else []
+    if checkpoint.files is not None:  # sharded: the pod downloads and verifies each file of the folder
+        args += ["--files", json.dumps([f.model_dump() for f in checkpoint.files])]
     args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
     args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
     args += ["--strict"] if cfg.strict else []

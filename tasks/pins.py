@@ -34,6 +34,8 @@ def pin(path: str | Path, pins: Path) -> Path | None:
     target = pins / source.name
     if target.exists():
         return target
+    if source.is_dir():  # a sharded checkpoint: a folder of links to its files, renamed into place whole
+        return _pin_folder(source, target)
     try:
         os.link(source, target)
     except FileNotFoundError:
@@ -59,8 +61,35 @@ def pin(path: str | Path, pins: Path) -> Path | None:
     return target
 
 
+def _pin_folder(source: Path, target: Path) -> Path | None:
+    staging = target.with_name(f".{target.name}.linking")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        for file in sorted(source.iterdir()):
+            try:
+                os.link(file, staging / file.name)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(file, staging / file.name)
+    except FileNotFoundError:
+        shutil.rmtree(staging, ignore_errors=True)
+        log.warning(
+            "checkpoint %s was deleted before it could be pinned (keep-last-K rotated it out): "
+            "it will not be evaluated or registered",
+            source,
+        )
+        return None
+    os.replace(staging, target)
+    return target
+
+
 def unpin(pinned: Path) -> None:
-    pinned.unlink(missing_ok=True)
+    if pinned.is_dir():
+        shutil.rmtree(pinned, ignore_errors=True)
+    else:
+        pinned.unlink(missing_ok=True)
 
 
 def drop_stale(pins: Path) -> list[str]:
@@ -70,7 +99,7 @@ def drop_stale(pins: Path) -> list[str]:
         return []
     stale = sorted(p.name for p in pins.iterdir())
     for name in stale:
-        (pins / name).unlink(missing_ok=True)
+        unpin(pins / name)
     return stale
 
 

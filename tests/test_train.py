@@ -892,7 +892,9 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
 
     codes = _launch_two_nodes(job, job_path, node1_disk, log, {"TESSERA_FAULT": "step:1792", "TESSERA_FAULT_RANK": "1"})
     assert codes[0] == ExitCode.RETRYABLE, (codes, [p.read_text()[-3000:] for p in sorted(tmp_path.glob("node*/*"))])
-    assert not list(node1_disk.glob("*.pt"))  # node 1 has never held a checkpoint
+    # FSDP2: each node's disk holds only what its own rank wrote; the s3 mirror is the one whole copy.
+    assert sorted(p.name for p in node1_disk.glob("tiny-s0-tok1024/*")) == ["__1_0.distcp"]
+    assert sorted(p.name for p in Path(job.save_folder).glob("tiny-s0-tok1024/*")) == [".metadata", "__0_0.distcp"]
     # Node 1's fetch outlasts the process group's timeout (a large checkpoint): setting up waits on the
     # launch's store, not in a collective, so nobody gives up.
     slow = {"TESSERA_DIST_TIMEOUT": "20", "TESSERA_FAULT": "stall-node:30", "TESSERA_FAULT_RANK": "1"}
@@ -904,9 +906,9 @@ def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path
     )
     assert codes == (0, 0), err
 
-    # Node 1 resumed from the checkpoint it downloaded into its own disk.
-    fetched = node1_disk / "tiny-s0-tok1024-rank0.pt"
-    assert fetched.is_file()
+    # Node 1 resumed from the checkpoint whose other files it downloaded into its own disk.
+    fetched = node1_disk / "tiny-s0-tok1024"
+    assert sorted(p.name for p in fetched.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert os.readlink(node1_disk / "latest-tiny-s0-rank0.pt") == fetched.name
     assert [c.tokens for c in RemoteFolder(job.remote_folder).complete()] == [1024, 2048, 2560]
 

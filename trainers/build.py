@@ -292,7 +292,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
     with _refused_as_fatal(plan), shard_initialised(job.model.init_std, job.train.seed, init_source):
         trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
-    if is_sharded(job.train.parallelism, world()[1]):
+    if is_sharded(job.train.parallelism, world()[1], plan.checkpoint):
         average_gradients_over_gloo(trainer.state.model)
     if plan.kind == "enter":
         # Composer checkpoints the data position as timestamp.sample_in_epoch, and this stage's
@@ -375,7 +375,7 @@ def _model(
     One process or DDP: the whole model, initialised only when nothing will overwrite it. Sharded: on the
     meta device; Composer shards it and trainers/sharding.py fills each rank's shards as it is built.
     """
-    sharded = is_sharded(job.train.parallelism, world()[1])
+    sharded = is_sharded(job.train.parallelism, world()[1], plan.checkpoint)
     build = (job.model, job.vocab_size, job.max_seq_len, job.eos_token_id)
     init_source = None
     if sharded:
@@ -454,7 +454,7 @@ def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.M
     precision = job.train.precision if job.train.precision != "auto" else ("amp_bf16" if on_gpu else "fp32")
     microbatch = job.train.device_microbatch_size
     device_batch = stage.batch_size // world_size
-    if microbatch == "auto" and (not on_gpu or is_sharded(job.train.parallelism, world_size)):
+    if microbatch == "auto" and (not on_gpu or is_sharded(job.train.parallelism, world_size, plan.checkpoint)):
         # Composer's auto search works by catching CUDA OOMs, and its FSDP2 path has none
         microbatch = device_batch
     elif microbatch != "auto":
@@ -467,7 +467,11 @@ def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.M
         "device_train_microbatch_size": microbatch,
         "precision": precision,
         "parallelism_config": parallelism_config(
-            job.train.parallelism, hf_model, world_size, RunFolder.of(job).sharded_template(stage.index)
+            job.train.parallelism,
+            hf_model,
+            world_size,
+            RunFolder.of(job).sharded_template(stage.index),
+            plan.checkpoint,
         ),
         "algorithms": algorithms,
         "run_name": job.run_name,

@@ -108,10 +108,13 @@ class Probe(Callback):
     TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
     TESSERA_FAULT=nan:<tokens>: the step that ends at <tokens> computes a NaN loss.
     TESSERA_FAULT=slow:<seconds>: every step computes <seconds> longer (on TESSERA_FAULT_RANK only): a straggler.
+    TESSERA_PEAK_LOG=<file>: at the stage's end every rank appends {rank, peak_mb, save_s}: its peak resident
+    memory (VmHWM) and the seconds each checkpoint save blocked it (bench/shard_memory.py).
     """
 
     def __init__(self):
         self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
+        self.peak_log = os.environ.get("TESSERA_PEAK_LOG")
 
     def batch_start(self, state: State, logger: Logger) -> None:
         slow = slowed_by()
@@ -133,6 +136,17 @@ class Probe(Callback):
                     f.write(json.dumps({"tokens": tokens, "samples": everyone, "loss": loss}) + "\n")
         maybe_fault("step", tokens)
         maybe_freeze(tokens)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if not self.peak_log:
+            return
+        import re
+
+        peak_kb = int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+        saves = next((c.save_seconds for c in state.callbacks if hasattr(c, "save_seconds")), [])
+        record = {"rank": dist.get_global_rank(), "peak_mb": round(peak_kb / 1024, 1), "save_s": saves}
+        with open(self.peak_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def read_sample_log(path: str | Path) -> dict[int, dict]:

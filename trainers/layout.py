@@ -146,6 +146,15 @@ class RunFolder:
         for old in self.complete()[:-keep]:
             self.retire(old)
 
+    def keep_newest_shards(self, keep: int | None) -> None:
+        """On a node other than rank 0's, which holds no manifests: all but the newest `keep` sharded folders
+        of this run go (their files are in the s3 mirror; rank 0's rotation is the one that counts)."""
+        if keep is None:
+            return
+        folders = [path for _, _, path in sorted(self.files(), key=lambda f: f[1]) if path.is_dir()]
+        for old in folders[:-keep]:
+            remove(old)
+
     def withdraw(self, info: CheckpointInfo, why: str) -> None:
         """Neither autoresume nor an evaluator may pick it up again. The newest damaged file is kept as
         `<name>.corrupt` for a look; this run's older ones go, so they cannot pile up (another run

@@ -195,14 +195,24 @@ def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausa
 
 def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, torch.Tensor]:
     """An HF model directory's weights by parameter name, after checking they fit `model` (which may be on the
-    meta device: a sharded launch fills each rank's shards from them, trainers/sharding.py)."""
+    meta device: a sharded launch fills each rank's shards from them, trainers/sharding.py). A sharded
+    checkpoint folder of another run is read the same way (its model tensors only)."""
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainers.format.checkpoints import SHARD_METADATA
+
     if (Path(source_dir) / "MLmodel").is_file():  # a registry version: an MLflow Model holding the HF dir
         source_dir = str(Path(source_dir) / "model")
-    theirs = AutoConfig.from_pretrained(source_dir)
+    source = None
+    if (Path(source_dir) / SHARD_METADATA).is_file():
+        from trainers.format.export import load_hf
+
+        source, _ = load_hf(source_dir)
+        theirs = source.config
+    else:
+        theirs = AutoConfig.from_pretrained(source_dir)
     ours = model.config
     for field, name in [
         ("num_hidden_layers", "n_layers"),
@@ -218,5 +228,6 @@ def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, tor
                 f"model.init_from: {source_dir} has {field}={getattr(theirs, field, None)!r} but the recipe "
                 f"builds {name}={getattr(ours, field)!r}"
             )
-    source = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+    if source is None:
+        source = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
     return source.state_dict()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trainers.exit_codes import FatalError
-from trainers.format.safe_load import UnsafeCheckpoint, load
+from trainers.format.safe_load import UnsafeCheckpoint, load, refusal
 
 log = logging.getLogger("tessera.train")
 
@@ -35,17 +35,28 @@ def seed_optimizer(
 ) -> str:
     """Load the checkpoint's optimizer state into `optimizer` if it fits `model`; returns what happened, in words.
 
-    Composer saves optimizer state keyed by parameter name (torch.distributed.checkpoint's format),
+    `checkpoint` is a file, an s3:// URI of one, or a local sharded checkpoint folder. Composer saves
+    optimizer state keyed by parameter name (torch.distributed.checkpoint's format),
     so it is matched to this model by name and shape, and loaded with torch's own setter. The file is
     read weights-only (trainers/format/safe_load.py): one that needs more is a FatalError naming it,
     not a fresh start, unless `trust` (train.trust_checkpoints).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    import pickle
+
     try:
-        with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:
-            state = load(_local(checkpoint, tmp), trust=trust, shown=checkpoint)
-        saved = next(iter(state["state"]["optimizers"].values()))
+        if Path(checkpoint).is_dir():  # sharded (trainers/format/sharded.py): the optimizer's keys only
+            from trainers.format.sharded import read_values
+
+            try:
+                optimizers = read_values(checkpoint, "state.optimizers", trust=trust)
+            except pickle.UnpicklingError as exc:
+                raise UnsafeCheckpoint(refusal(checkpoint, exc)) from None
+        else:
+            with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:
+                optimizers = load(_local(checkpoint, tmp), trust=trust, shown=checkpoint)["state"]["optimizers"]
+        saved = next(iter(optimizers.values()))
     except UnsafeCheckpoint as exc:
         raise FatalError(f"train.init_optimizer_from: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint means a fresh optimizer, said plainly

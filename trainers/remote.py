@@ -58,7 +58,8 @@ class RemoteFolder:
         self.bucket, self.prefix = bucket, path.strip("/")
         self.store = S3ObjectStore(bucket=bucket, prefix=self.prefix)
         self._uploader = None
-        self._pending: list[tuple[object, CheckpointInfo]] = []  # (upload future, info) in save order
+        # (upload future, info, whether this process publishes its manifest), in save order
+        self._pending: list[tuple[object, CheckpointInfo, bool]] = []
 
     @classmethod
     def for_job(cls, job: TrainJob) -> RemoteFolder | None:
@@ -126,10 +127,17 @@ class RemoteFolder:
         return sorted(found, key=lambda c: c.tokens)
 
     def upload_now(self, info: CheckpointInfo) -> None:
-        """Blocking upload of a local complete checkpoint: the .pt (or the folder's files), then its manifest."""
+        """Blocking upload of a local complete checkpoint: the .pt (or the folder's files), then its manifest.
+
+        A sharded checkpoint saved on node-local disks has only this node's shards here: what the others
+        wrote must be in the mirror already, or no manifest goes up (the checkpoint is whole nowhere)."""
         for name, local in _objects(info):
-            self.store.upload_object(name, str(local))
-        self._put_manifest(info)
+            if local.is_file():
+                self.store.upload_object(name, str(local))
+        if self._all_up(info):
+            self._put_manifest(info)
+        else:
+            log.warning("%s: not every shard is here or in %s; not mirrored", info.path, self.uri)
 
     def _put_manifest(self, info: CheckpointInfo) -> None:
         remote = info.model_copy(update={"path": f"{self.uri}/{Path(info.path).name}"})
@@ -173,8 +181,19 @@ class RemoteFolder:
             raise RetryableError(f"train.save_folder: {self.uri}/{target.name} downloaded incomplete")
         return checkpoints.publish(folder, local)
 
-    def upload_async(self, info: CheckpointInfo) -> None:
+    def _all_up(self, info: CheckpointInfo) -> bool:
+        """Whether every file of the checkpoint is an object in the mirror (an S3 object appears only whole)."""
+        if not info.sharded:
+            return True
+        there = self._names(f"{Path(info.path).name}/")
+        return all(name in there for name, _ in _objects(info))
+
+    def upload_async(self, info: CheckpointInfo, written_by: set[int] | None = None, publish: bool = True) -> None:
         """Start uploading a just-published checkpoint; poll() uploads its manifest once the .pt is up.
+
+        Sharded, on several nodes: each node's first rank uploads the files its node's ranks wrote
+        (`written_by`: their global ranks), and global rank 0 (`publish`) puts the manifest up once every
+        file of the folder is in the mirror, its own and the other nodes'.
 
         A thread, not Composer's RemoteUploader: its spawned worker processes outlive a SIGKILLed
         trainer (holding its pipes and the staged copy), and each costs a Composer import at start.
@@ -186,7 +205,7 @@ class RemoteFolder:
 
             self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-upload")
         staged = []
-        for name, source in _objects(info):
+        for name, source in _objects(info, written_by):
             link = Path(info.path).parent / STAGING_DIR / name
             link.parent.mkdir(parents=True, exist_ok=True)
             link.unlink(missing_ok=True)
@@ -198,22 +217,37 @@ class RemoteFolder:
                 self.store.upload_object(name, str(link))
                 link.unlink(missing_ok=True)
 
-        self._pending.append((self._uploader.submit(upload), info))
+        self._pending.append((self._uploader.submit(upload), info, publish))
 
     def pending_bytes(self) -> int:
         """What is still to upload, for the watchdog's budget of the stage's last uploads."""
-        return sum(info.size for _, info in self._pending)
+        return sum(info.size for _, info, _ in self._pending)
 
-    def poll(self, keep: int | None, block: bool = False) -> None:
-        """Publish remote manifests for finished uploads, in save order; raise an upload's error."""
+    def poll(self, keep: int | None, block: bool = False, wait_s: float = 3600) -> None:
+        """Publish remote manifests for finished uploads, in save order; raise an upload's error.
+
+        A sharded checkpoint's manifest also waits for the other nodes' files to appear in the mirror;
+        `block` waits for them up to `wait_s` (the watchdog's upload budget bounds the stage's end anyway).
+        """
+        import time
+
+        deadline = time.monotonic() + wait_s
         while self._pending:
-            future, info = self._pending[0]
+            future, info, publish = self._pending[0]
             if not block and not future.done():
                 return
             future.result()  # re-raises a failed upload (boto3 has already retried transient errors)
-            self._put_manifest(info)
+            if publish:
+                while not self._all_up(info):
+                    if not block:
+                        return
+                    if time.monotonic() > deadline:
+                        raise RetryableError(f"{self.uri}: the other nodes' shards of {info.path} never arrived")
+                    time.sleep(1)
+                self._put_manifest(info)
             self._pending.pop(0)
-            self.keep_last(keep)
+            if publish:
+                self.keep_last(keep)
 
     def retire(self, info: CheckpointInfo) -> None:
         """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py)."""
@@ -236,14 +270,24 @@ class RemoteFolder:
             self._uploader = None
 
 
-def _objects(info: CheckpointInfo) -> list[tuple[str, Path]]:
+def _objects(info: CheckpointInfo, written_by: set[int] | None = None) -> list[tuple[str, Path]]:
     """(object name, local path) of each file of a checkpoint: the .pt, or a sharded folder's files (the
-    `.metadata` last, so a listing never shows an index before the shards it indexes)."""
+    `.metadata` last, so a listing never shows an index before the shards it indexes); with `written_by`,
+    only the files those global ranks wrote (`__<rank>_<n>.distcp`; `.metadata` is rank 0's)."""
     path = Path(info.path)
     if not info.sharded:
         return [(path.name, path)]
     names = sorted((f.name for f in info.files), key=lambda n: n == checkpoints.SHARD_METADATA)
+    if written_by is not None:
+        names = [n for n in names if _writer(n) in written_by]
     return [(f"{path.name}/{name}", path / name) for name in names]
+
+
+def _writer(name: str) -> int:
+    """The global rank that wrote a file of a sharded checkpoint."""
+    if name == checkpoints.SHARD_METADATA:
+        return 0
+    return int(name.removeprefix("__").split("_", 1)[0])
 
 
 def reconcile(

@@ -9,6 +9,7 @@ a launch does first is trainers/plan.py's.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from composer.callbacks import CheckpointSaver
@@ -41,6 +42,13 @@ def checkpoint_due(every: int, stage: Stage, event_wanted: Event):
     return due
 
 
+def _node_ranks() -> set[int]:
+    """The global ranks of this node (Composer's launcher numbers them node by node)."""
+    per_node = dist.get_local_world_size()
+    first = dist.get_global_rank() - dist.get_local_rank()
+    return set(range(first, first + per_node))
+
+
 class PublishingCheckpointSaver(CheckpointSaver):
     """Composer's saver, reordered so the latest symlink moves only after the manifest is published.
 
@@ -52,8 +60,11 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.run_folder = RunFolder.of(job)  # not self.folder: Composer keeps its folder string there
         self.run_stage = job.stage(stage_index)
         self.keep_last_k = job.train.keep_checkpoints
-        self.remote = RemoteFolder.for_job(job) if os.environ.get("RANK", "0") == "0" else None
+        # Rank 0 mirrors the run (manifests, rotation); with sharded checkpoints the first rank of every other
+        # node uploads what its node's ranks wrote, which may be on its disk only.
+        self.remote = RemoteFolder.for_job(job) if os.environ.get("LOCAL_RANK", "0") == "0" else None
         self.last_saved_tokens: int | None = None
+        self.save_seconds: list[float] = []  # how long each save blocked this rank (write, hash, publish)
         due = checkpoint_due(job.checkpoint_every_tokens, self.run_stage, Event.BATCH_CHECKPOINT)
         super().__init__(
             folder=str(self.run_folder.path),
@@ -71,12 +82,14 @@ class PublishingCheckpointSaver(CheckpointSaver):
         # The watchdog gives a save a budget by its size (about 12 bytes a parameter: weights, Adam's moments).
         heartbeat.phase("save", hint_bytes=12 * sum(p.numel() for p in state.model.parameters()))
         latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
+        started = time.monotonic()
         try:
             maybe_stall("save", self.run_stage.index)  # test hook: a save that hangs
             super()._save_checkpoint(state, logger)
         finally:
             self.latest_filename = latest
         self._publish(state)
+        self.save_seconds.append(round(time.monotonic() - started, 3))
         heartbeat.phase("step")
 
     def _publish(self, state: State) -> None:
@@ -88,7 +101,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         elif dist.get_global_rank() == 0:
             path = Path(self.saved_checkpoints[-1]).resolve()
             maybe_fault("save", tokens, path)
-        if dist.get_global_rank() != 0:
+        else:
             return
         info = CheckpointInfo(
             path=str(path),
@@ -98,11 +111,16 @@ class PublishingCheckpointSaver(CheckpointSaver):
             stage_index=self.run_stage.index,
             files=files,
         )
+        if dist.get_global_rank() != 0:
+            if self.remote is not None:  # another node's first rank: its node's shards to the mirror
+                self.remote.upload_async(info, written_by=_node_ranks(), publish=False)
+                self.run_folder.keep_newest_shards(self.keep_last_k)  # uploads read hard links: never cut short
+            return
         info = checkpoints.publish(self.run_folder.path, info)
         self.run_folder.point_latest(self.run_stage.index, path)
         maybe_fault("published", tokens)
         if self.remote is not None:
-            self.remote.upload_async(info)
+            self.remote.upload_async(info, written_by=_node_ranks() if info.sharded else None)
         self.run_folder.keep_last(self.keep_last_k)
         # Where this launch's time went, up to a checkpoint that stays (the goodput ledger reads it)
         self._record_time(tokens, final=False)
@@ -129,7 +147,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
     def batch_end(self, state: State, logger: Logger) -> None:
         super().batch_end(state, logger)
         if self.remote is not None:
-            self.remote.poll(self.keep_last_k)
+            self.remote.poll(self.keep_last_k)  # on another node's first rank: reaps its uploads, publishes nothing
 
     def fit_end(self, state: State, logger: Logger) -> None:
         super().fit_end(state, logger)

@@ -53,14 +53,23 @@ class ShardedConfig(FSDP2Config):
         return self._replicate
 
 
-def is_sharded(par: ParallelismConfig, world_size: int) -> bool:
-    """Whether a launch of `world_size` ranks trains sharded (else: one process, or DDP)."""
-    return world_size > 1 and par.sharding != "NO_SHARD"
+def is_sharded(par: ParallelismConfig, world_size: int, loads: dict | None = None) -> bool:
+    """Whether a launch of `world_size` ranks trains sharded (else: one process, or DDP).
+
+    `loads` is the checkpoint the launch resumes from (a CheckpointInfo dict): a sharded one is loaded
+    sharded whatever the launch's size, so a run that trained on N ranks resumes on one (a 1-rank mesh)."""
+    return bool((loads or {}).get("files")) or (world_size > 1 and par.sharding != "NO_SHARD")
 
 
-def parallelism_config(par: ParallelismConfig, hf_model, world_size: int, folder_template: str) -> dict | None:
-    """Composer's parallelism_config for a launch; None for one rank or NO_SHARD (Composer then uses DDP)."""
-    if not is_sharded(par, world_size):
+def parallelism_config(
+    par: ParallelismConfig, hf_model, world_size: int, folder_template: str, loads: dict | None = None
+) -> dict | None:
+    """Composer's parallelism_config for a launch; None for one rank or NO_SHARD (Composer then uses DDP).
+
+    A launch that resumes from a single-file checkpoint (a run begun on one rank, now on several) loads it
+    whole and keeps saving single files (Composer's FSDP2 saves in the form it loads); only a run that
+    starts sharded writes sharded folders."""
+    if not is_sharded(par, world_size, loads):
         return None
     for layer in hf_model.model.layers:
         layer._fsdp_wrap = True
@@ -80,7 +89,7 @@ def parallelism_config(par: ParallelismConfig, hf_model, world_size: int, folder
         shard,
         reshard_after_forward=par.sharding != "SHARD_GRAD_OP",
         activation_checkpointing=par.activation_checkpointing,
-        state_dict_type="sharded",
+        state_dict_type="full" if loads is not None and not loads.get("files") else "sharded",
         mixed_precision="DEFAULT",
     )
     return {"fsdp": config}

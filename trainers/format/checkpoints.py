@@ -164,8 +164,13 @@ def damage_of(info: CheckpointInfo) -> str | None:
     """What is wrong with a published checkpoint, file or folder, or None if every byte is as published."""
     if info.files is None:
         return damage(info.path, info.sha256)
-    for entry in info.files:
-        path = Path(info.path) / entry.name
+    return folder_damage(info.path, info.files)
+
+
+def folder_damage(folder: str | Path, files: list[ShardFile]) -> str | None:
+    """What is wrong with a sharded checkpoint folder against its manifest's file list, or None."""
+    for entry in files:
+        path = Path(folder) / entry.name
         try:
             size = path.stat().st_size
         except OSError:
