@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
-            loaded = load_model(_verified(_local_checkpoint(args.checkpoint, Path(tmp), json.loads(args.files) if args.files else None), args), args.tracking_uri)
+            loaded = load_model(
+                _verified(
+                    _local_checkpoint(args.checkpoint, Path(tmp), json.loads(args.files) if args.files else None), args
+                ),
+                args.tracking_uri,
+            )
             model = loaded.model
             import torch
 

@@ -1,8 +1,8 @@
 """Turning what `tessera eval --model M` names into a transformers model and tokenizer.
 
 M is a Composer checkpoint (.pt written through composer's HuggingFaceModel, HF config and
-tokenizer embedded, or a sharded checkpoint's folder), an HF model directory, or an MLflow model URI (`models:/name@alias`,
-`models:/name/3`) whose artifact is an HF model directory.
+tokenizer embedded, or a sharded checkpoint's folder), an HF model directory, or an MLflow model
+URI (`models:/name@alias`, `models:/name/3`) whose artifact is an HF model directory.
 """
 
 from __future__ import annotations

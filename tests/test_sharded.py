@@ -111,6 +111,7 @@ def test_fsdp2_and_ddp_losses_equal_one_rank_within_fp32(sharded_reference, tmp_
     _, ref_root = sharded_reference
     sharded = _losses(ref_root / "samples.jsonl")
     for name, procs, kw in [("one", 1, {}), ("ddp", 2, {"parallelism": {"sharding": "NO_SHARD"}})]:
+        (tmp_path / name).mkdir()
         job, job_path = _job(tmp_path / name, sources, **kw)
         _ok(_run(job_path, 0, tmp_path / name / "samples.jsonl", procs=procs), tmp_path / name / "logs")
         other = _losses(tmp_path / name / "samples.jsonl")
@@ -132,7 +133,8 @@ def test_kill9_of_the_group_anywhere_resumes_bitwise_exact(sharded_reference, tm
     for stage, faults in kills.items():
         for fault in faults:
             proc = _launch(job_path, stage, log, fault=fault, procs=2)
-            assert proc.returncode in {-9} | RETRYABLE | INTERRUPTED, (fault, proc.stderr[-3000:])
+            # 247: Composer's launcher exits 256 - 9 when a rank died of SIGKILL
+            assert proc.returncode in {-9, 247} | RETRYABLE | INTERRUPTED, (fault, proc.stderr[-3000:])
         _ok(_run(job_path, stage, log, procs=2), tmp_path / "logs")
     _assert_bitwise(_final(job), _final(ref_job))
     from trainers.faults import read_sample_log
@@ -256,6 +258,8 @@ def test_a_sharded_index_that_would_run_code_is_refused(sharded_reference, tmp_p
             return (open, (str(marker), "w"))
 
     (copy / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(pickle.UnpicklingError, match="builtins"):
+    from trainers.format.safe_load import UnsafeCheckpoint
+
+    with pytest.raises(UnsafeCheckpoint, match=r"planted: refused to load: unpickling it needs `io.open`"):
         load_hf(copy)
     assert not marker.exists()

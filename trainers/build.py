@@ -328,8 +328,10 @@ def _refused_as_fatal(plan: StartPlan):
     relaunch: one fatal line naming it, not a retry."""
     try:
         yield
-    except pickle.UnpicklingError as exc:
-        if "weights only" not in str(exc).lower():
+    except BaseException as exc:  # a sharded index's refusal comes wrapped in DCP's CheckpointException
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if not isinstance(exc, (pickle.UnpicklingError, CheckpointException)) or "weights only" not in str(exc).lower():
             raise
         raise FatalError(refusal((plan.checkpoint or {}).get("path") or plan.load_path, exc)) from None
 
@@ -366,9 +368,7 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     return plan, skip
 
 
-def _model(
-    job: TrainJob, plan: StartPlan
-) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
+def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
     """The HF model, Composer's wrapper with the tokenizer, and (sharded continued pretraining only) the
     weights each rank's shards are filled from.
 

@@ -24,6 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.config import ModelConfig
 from trainers.exit_codes import FatalError
+from trainers.format.checkpoints import SHARD_METADATA
+from trainers.format.export import load_hf
 from trainers.format.meta import empty_like_meta, parameters_on_meta
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
@@ -201,14 +203,10 @@ def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, tor
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers.format.checkpoints import SHARD_METADATA
-
     if (Path(source_dir) / "MLmodel").is_file():  # a registry version: an MLflow Model holding the HF dir
         source_dir = str(Path(source_dir) / "model")
     source = None
     if (Path(source_dir) / SHARD_METADATA).is_file():
-        from trainers.format.export import load_hf
-
         source, _ = load_hf(source_dir)
         theirs = source.config
     else:

@@ -16,6 +16,7 @@ import torch
 
 from trainers.exit_codes import FatalError
 from trainers.format.safe_load import UnsafeCheckpoint, load, refusal
+from trainers.format.sharded import read_values
 
 log = logging.getLogger("tessera.train")
 
@@ -41,14 +42,12 @@ def seed_optimizer(
     read weights-only (trainers/format/safe_load.py): one that needs more is a FatalError naming it,
     not a fresh start, unless `trust` (train.trust_checkpoints).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     import pickle
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     try:
         if Path(checkpoint).is_dir():  # sharded (trainers/format/sharded.py): the optimizer's keys only
-            from trainers.format.sharded import read_values
-
             try:
                 optimizers = read_values(checkpoint, "state.optimizers", trust=trust)
             except pickle.UnpicklingError as exc:

@@ -31,7 +31,7 @@ from trainers import trained_stages
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, RetryableError
 from trainers.faults import maybe_stall
-from trainers.format import checkpoints
+from trainers.format import checkpoints, sharded
 from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.layout import RunFolder, discard
 from trainers.remote import RemoteFolder, reconcile
@@ -107,7 +107,7 @@ def _repaired(folder: RunFolder, stages: list[Stage]) -> list[CheckpointInfo]:
     for stage_index, tokens, path in folder.files():
         if path.resolve() in published:
             continue
-        if not is_intact(path) or (path.is_file() and checkpoints.damage(path) is not None):
+        if not is_intact(path) or (checkpoints.damage(path) if path.is_file() else sharded.cut_short(path)) is not None:
             discard(path)
             continue
         info = _rederived(stages[stage_index], tokens, path) if stage_index < len(stages) else None

@@ -2,8 +2,8 @@
 
 Composer's CheckpointSaver writes the file (or, sharded, every rank its shard of the folder); this one
 publishes its manifest (the done-marker, trainers/format/checkpoints.py), then moves the stage's latest
-symlink, then hands the checkpoint to the s3:// mirror, then rotates. The names and the removal of old files are trainers/layout.py's; the repair
-a launch does first is trainers/plan.py's.
+symlink, then hands the checkpoint to the s3:// mirror, then rotates. The names and the removal of old
+files are trainers/layout.py's; the repair a launch does first is trainers/plan.py's.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         the work is spread and no rank reads a file another node's disk holds; rank 0 gathers the list and
         publishes it. A rank killed before the gather leaves the folder without a manifest: incomplete.
         """
-        folder = (self.run_folder.path / self.run_folder.sharded_template(self.run_stage.index).format(token=tokens))
+        folder = self.run_folder.path / self.run_folder.sharded_template(self.run_stage.index).format(token=tokens)
         folder = folder.resolve()
         rank = dist.get_global_rank()
         mine = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))

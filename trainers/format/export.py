@@ -7,6 +7,7 @@ from pathlib import Path
 
 from trainers.format import safe_load
 from trainers.format.meta import parameters_on_meta
+from trainers.format.sharded import load_hf_sharded, model_class
 
 
 def load_hf(ckpt_path: str | Path, *, trust: bool = False):
@@ -24,16 +25,18 @@ def load_hf(ckpt_path: str | Path, *, trust: bool = False):
     from composer.models import HuggingFaceModel
 
     if Path(ckpt_path).is_dir():  # sharded: every rank's shard of the weights, read into one model
-        from trainers.format.sharded import load_hf_sharded
-
         return load_hf_sharded(ckpt_path, trust=trust)
     checkpoint = safe_load.load(ckpt_path, trust=trust, mmap=True)
     hf_state = checkpoint["state"]["integrations"]["huggingface"]
-    with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
-        tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
+    tokenizer = None
+    if hf_state.get("tokenizer"):  # absent when consolidated from a sharded checkpoint saved without one
+        with tempfile.TemporaryDirectory(prefix="tessera-tok-") as tmp:
+            tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
     # The class named in the embedded HF config, its parameters on the meta device: no init, no memory.
-    with parameters_on_meta():
-        model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, checkpoint, None, {})
+    with parameters_on_meta():  # (a file saved under FSDP2 names fully_shard's class: model_class maps it back)
+        model = HuggingFaceModel.load_huggingface_model_from_saved_state(
+            hf_state, checkpoint, model_class(hf_state), {}
+        )
     # Composer keys the wrapped module as `model.<hf key>`. assign=True makes the memory-mapped tensors
     # the parameters themselves, so the weights are in memory once (as file pages), not copied.
     weights = {k.removeprefix("model."): v for k, v in checkpoint["state"]["model"].items()}

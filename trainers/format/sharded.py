@@ -11,18 +11,55 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainers.format.meta import empty_like_meta, parameters_on_meta
+from trainers.format.safe_load import UnsafeCheckpoint, guard_sharded_index, refusal
+
 MODEL_PREFIX = "state.model."  # Composer's state dict: state.model.<HuggingFaceModel key>, i.e. model.<hf key>
 OPTIMIZER_PREFIX = "state.optimizers."
 
 
 def _reader(path: str | Path, trust: bool):
-    from torch.distributed.checkpoint import FileSystemReader
+    """The folder's reader, its index read once here: a refused index raises UnsafeCheckpoint naming the
+    folder (inside DCP's own calls it would come wrapped in a CheckpointException per rank)."""
+    import pickle
 
-    from trainers.format.safe_load import guard_sharded_index
+    from torch.distributed.checkpoint import FileSystemReader
 
     if not trust:
         guard_sharded_index()
-    return FileSystemReader(str(path))
+    reader = FileSystemReader(str(path))
+    try:
+        reader.read_metadata()
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise
+        raise UnsafeCheckpoint(refusal(path, exc)) from None
+    return reader
+
+
+def cut_short(path: str | Path) -> str | None:
+    """What is missing from a sharded folder that has no manifest, or None if every byte its index names is
+    there. DCP writes `.metadata` after the shards, but a kill can still cut a shard short afterwards (a
+    copy, a disk that fills): each extent the index records must lie inside its file. DCP keeps no
+    checksums, so this catches loss, not bit rot; a published folder is verified by its manifest's hashes."""
+    import pickle
+
+    try:
+        metadata = _reader(path, trust=False).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        return f"unreadable index ({type(exc).__name__}: {exc})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (Path(path) / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} has {size} bytes, its index needs {end}"
+    return None
 
 
 def tensor_keys(path: str | Path, prefix: str, *, trust: bool = False) -> dict[str, tuple]:
@@ -58,7 +95,7 @@ def read_into(path: str | Path, tensors: dict, prefix: str, *, trust: bool = Fal
     # dcp.load fills the given tensors in place (flat keys are how DCP names nested state)
 
 
-def _model_class(hf_state: dict):
+def model_class(hf_state: dict):
     """The transformers class of the saved model. Under FSDP2 Composer records the class fully_shard made
     (`torch...FSDPLlamaForCausalLM`, which cannot be imported): its transformers base has the same name
     without the prefix."""
@@ -76,8 +113,6 @@ def load_hf_sharded(path: str | Path, *, trust: bool = False):
 
     from composer.models import HuggingFaceModel
 
-    from trainers.format.meta import empty_like_meta, parameters_on_meta
-
     hf_state = read_values(path, "state.integrations", trust=trust)["huggingface"]
     tokenizer = None
     if hf_state.get("tokenizer"):  # DCP stores no key for an empty dict: a checkpoint saved without one
@@ -85,7 +120,7 @@ def load_hf_sharded(path: str | Path, *, trust: bool = False):
             tokenizer = HuggingFaceModel.load_huggingface_tokenizer_from_saved_state(hf_state, tokenizer_save_dir=tmp)
     with parameters_on_meta():
         saved = {"state": {"integrations": {"huggingface": hf_state}}}  # where Composer looks for the config
-        model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, saved, _model_class(hf_state), {})
+        model = HuggingFaceModel.load_huggingface_model_from_saved_state(hf_state, saved, model_class(hf_state), {})
     model = empty_like_meta(model)  # one allocation: the tensors are read straight into it
     state = model.state_dict()  # tied weights: two names over one tensor, filled twice with the same values
     stored = tensor_keys(path, MODEL_PREFIX + "model.", trust=trust)
