@@ -72,3 +72,22 @@ def test_stale_pins_of_a_crashed_flow_are_dropped(tmp_path):
     assert pins.drop_stale(folder) == ["a.pt", "b.pt"]
     assert list(folder.iterdir()) == []
     assert pins.drop_stale(tmp_path / "none") == []
+
+
+def test_a_sharded_checkpoint_is_pinned_as_a_folder_of_links_and_survives_its_rotation(tmp_path):
+    from trainers.layout import RunFolder
+
+    folder = tmp_path / "save" / "tiny-s0-tok1024"
+    folder.mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (folder / name).write_bytes(os.urandom(1 << 12))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    held = pins.pin(folder, tmp_path / "pins")
+    assert held == tmp_path / "pins" / folder.name and held.is_dir()
+    assert all((held / n).stat().st_ino == (folder / n).stat().st_ino for n in before)  # links, not copies
+    assert [p.name for p in (tmp_path / "pins").iterdir()] == [folder.name]  # no staging folder left
+    (tmp_path / "save" / "tiny-s0-tok2048").mkdir()  # a newer checkpoint
+    RunFolder(tmp_path / "save", "tiny").keep_newest_shards(1)  # rotation removes the older folder whole
+    assert not folder.exists() and {p.name: p.read_bytes() for p in held.iterdir()} == before
+    pins.unpin(held)
+    assert not held.exists()

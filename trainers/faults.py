@@ -108,8 +108,9 @@ class Probe(Callback):
     TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
     TESSERA_FAULT=nan:<tokens>: the step that ends at <tokens> computes a NaN loss.
     TESSERA_FAULT=slow:<seconds>: every step computes <seconds> longer (on TESSERA_FAULT_RANK only): a straggler.
-    TESSERA_PEAK_LOG=<file>: at the stage's end every rank appends {rank, peak_mb, save_s}: its peak resident
-    memory (VmHWM) and the seconds each checkpoint save blocked it (bench/shard_memory.py).
+    TESSERA_PEAK_LOG=<file>: at the stage's end every rank appends {rank, peak_mb, end_mb, save_s}: its peak
+    and current resident memory (VmHWM, VmRSS) and the seconds each checkpoint save blocked it
+    (bench/shard_memory.py).
     """
 
     def __init__(self):
@@ -142,9 +143,11 @@ class Probe(Callback):
             return
         import re
 
-        peak_kb = int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+        status = Path("/proc/self/status").read_text()
+        peak_kb, now_kb = (int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) for key in ("VmHWM", "VmRSS"))
         saves = next((c.save_seconds for c in state.callbacks if hasattr(c, "save_seconds")), [])
         record = {"rank": dist.get_global_rank(), "peak_mb": round(peak_kb / 1024, 1), "save_s": saves}
+        record["end_mb"] = round(now_kb / 1024, 1)  # what the rank still holds after its last step and save
         with open(self.peak_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
