@@ -402,6 +402,7 @@ LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py", "tests/te
 _LONGEST_FIRST = [
     "live",
     "test_train.py",
+    "test_sharded.py",
     "test_watchdog.py",
     "test_server_restart.py",
     "test_train_ops.py",
