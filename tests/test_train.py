@@ -268,6 +268,101 @@ def test_init_is_the_same_whole_and_as_shards():
     assert abs(float(weight.std()) - 0.02) < 0.002 and torch.equal(whole.model.norm.weight, torch.ones(64))
 
 
+def test_a_manifest_is_written_only_after_its_checkpoint_reached_the_disk(tmp_path, monkeypatch):
+    """Power loss or a node crash must not leave a manifest naming bytes still in the page cache: the
+    checkpoint and its directory are fsynced before the manifest exists, the manifest folder after."""
+    import os
+
+    from trainers.format.checkpoints import CheckpointInfo, manifest_path, publish
+
+    synced: list[tuple[str, bool]] = []  # (what was fsynced, did the manifest exist yet)
+    real_fsync = os.fsync
+    target = manifest_path(tmp_path, 1024)
+
+    def recording_fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), target.exists()))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    ckpt = tmp_path / "tiny-s0-tok1024-rank0.pt"
+    ckpt.write_bytes(b"x" * 1000)
+    publish(tmp_path, CheckpointInfo(path=str(ckpt), tokens=1024, batch=1, stage="warm", stage_index=0))
+    assert synced[:2] == [(str(ckpt), False), (str(tmp_path), False)]
+    assert synced[-1] == (str(target.parent), True)
+
+
+def test_a_checkpoint_swapped_for_another_valid_one_fails_its_published_sha256(tmp_path):
+    import hashlib
+
+    import torch
+
+    from trainers.format.checkpoints import CheckpointInfo, damage, list_complete, publish
+
+    mine, other = tmp_path / "tiny-s0-tok1024-rank0.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.zeros(64)}, mine)
+    torch.save({"w": torch.ones(64)}, other)
+    published = publish(tmp_path, CheckpointInfo(path=str(mine), tokens=1024, batch=1, stage="warm", stage_index=0))
+    assert published.sha256 == hashlib.sha256(mine.read_bytes()).hexdigest() == list_complete(tmp_path)[0].sha256
+    assert damage(mine, published.sha256) is None
+    mine.write_bytes(other.read_bytes())  # a complete, valid checkpoint: just not the one published
+    assert damage(mine) is None  # every zip CRC is right
+    assert damage(mine, published.sha256).startswith("SHA-256 ")
+
+
+def test_keep_last_k_removes_oldest_complete_checkpoints(tmp_path):
+    from tests.support.training import tiny_job
+    from trainers.format.checkpoints import CheckpointInfo, list_complete, publish
+    from trainers.saver import PublishingCheckpointSaver
+
+    job = tiny_job(
+        tmp_path, {"a": "unused", "b": "unused"}, STAGES, seq_len=SEQ, global_batch_size=BATCH, keep_checkpoints=2
+    )
+    Path(job.save_folder).mkdir(parents=True)
+    for tokens in (1024, 2048, 2560):
+        path = Path(job.save_folder) / f"tiny-s0-tok{tokens}-rank0.pt"
+        path.write_bytes(b"x")
+        publish(
+            job.save_folder,
+            CheckpointInfo(path=str(path), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0),
+        )
+    other = Path(job.save_folder) / "other-s0-tok512-rank0.pt"  # another run sharing the folder keeps its own
+    other.write_bytes(b"x")
+    publish(job.save_folder, CheckpointInfo(path=str(other), tokens=512, batch=1, stage="warm", stage_index=0))
+    saver = PublishingCheckpointSaver(job, 0)
+    saver.run_folder.keep_last(saver.keep_last_k)
+    assert [c.tokens for c in list_complete(job.save_folder)] == [512, 2048, 2560]
+    assert not (Path(job.save_folder) / "tiny-s0-tok1024-rank0.pt").exists()
+
+
+def test_keep_last_k_retires_sharded_folders_whole_and_a_withdrawn_one_is_kept_aside(tmp_path):
+    from trainers.format.checkpoints import CheckpointInfo, list_complete, publish, shard_files
+    from trainers.layout import RunFolder
+
+    folder = RunFolder(tmp_path, "tiny")
+    for tokens in (1024, 2048, 2560):
+        ckpt = tmp_path / f"tiny-s0-tok{tokens}"
+        ckpt.mkdir()
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+            (ckpt / name).write_bytes(name.encode() * tokens)
+        files = shard_files(ckpt, [".metadata", "__0_0.distcp", "__1_0.distcp"])
+        info = CheckpointInfo(path=str(ckpt), tokens=tokens, batch=tokens // STEP, stage="warm", stage_index=0)
+        publish(tmp_path, info.model_copy(update={"files": files}))
+    sizes = [sum(f.stat().st_size for f in Path(c.path).iterdir()) for c in folder.complete()]
+    assert [c.size for c in folder.complete()] == sizes and sizes[0] == 1024 * (9 + 12 + 12)
+    folder.keep_last(2)
+    assert [c.tokens for c in list_complete(tmp_path)] == [2048, 2560]
+    assert not (tmp_path / "tiny-s0-tok1024").exists() and not list(tmp_path.glob(".removing-*"))
+    newest = list_complete(tmp_path)[-1]
+    folder.withdraw(newest, "test")
+    assert [c.tokens for c in list_complete(tmp_path)] == [2048]
+    assert sorted(p.name for p in (tmp_path / "tiny-s0-tok2560.corrupt").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert [t for _, t, _ in folder.files()] == [2048]  # the set-aside folder is no checkpoint of the run
+
+
 # ---------------------------------------------------------------- end to end
 
 
