@@ -393,3 +393,48 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_eval_compare_the_flow_an
     assert main(["eval", "--model", str(evil), *gauntlet, "--trust-checkpoint", "--output-dir", str(out)]) == 0
     assert marker.exists()
     assert (out / "report.json").is_file()
+
+
+def test_a_sharded_checkpoint_in_s3_is_downloaded_verified_and_scored_by_the_pod(
+    composer_checkpoint, small_gauntlet, tmp_path, moto_s3, capsys
+):
+    """The flow hands the pod a sharded checkpoint's file list (its manifest); the pod downloads each file of the
+    folder from s3, checks each against its SHA-256, and loads the model from the shards; a flipped byte in one
+    shard is a bad input naming the file."""
+    import torch.distributed.checkpoint as dcp
+
+    from evaluation.__main__ import EXIT_FATAL, _local_checkpoint, _verified, main, parse_args
+    from evaluation.models import load_model
+    from tasks.evaluate import pod_args
+    from trainers.format.checkpoints import shard_files
+
+    path, trained, _ = composer_checkpoint
+    # The same state as a DCP folder, Composer's sharded layout (state.model..., state.integrations...)
+    folder = tmp_path / "tiny-s0-tok4096"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    files = shard_files(folder, sorted(p.name for p in folder.iterdir()))
+    moto_s3.create_bucket(Bucket="ckpts")
+    for f in files:
+        moto_s3.upload_file(str(folder / f.name), "ckpts", f"runs/tiny/{folder.name}/{f.name}")
+    uri = f"s3://ckpts/runs/tiny/{folder.name}"
+    info = CheckpointInfo(path=uri, tokens=4096, batch=1, stage="s0", stage_index=0, files=files)
+    tracking = TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", registered_model="m")
+    args = parse_args(pod_args(info, small_gauntlet, tracking, "run", 128))
+    assert json.loads(args.files) == [f.model_dump() for f in files]
+
+    local = _local_checkpoint(uri, tmp_path / "pod", json.loads(args.files))
+    assert _verified(local, args) == local
+    loaded = load_model(local)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), trained.state_dict().values()))
+
+    shard = next(folder.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    moto_s3.put_object(Bucket="ckpts", Key=f"runs/tiny/{folder.name}/{shard.name}", Body=bytes(data))
+    common = ["--tasks", small_gauntlet.tasks, "--data-root", small_gauntlet.data_root]
+    common += ["--tracking-uri", tracking.tracking_uri, "--run-id", "run", "--step", "4096", "--files", args.files]
+    assert main(["--checkpoint", uri, *common]) == EXIT_FATAL
+    err = capsys.readouterr().err
+    assert f"{uri}: damaged checkpoint, not evaluated: {shard.name}: SHA-256 " in err, err
+    assert not (tmp_path / "m.db").exists()
