@@ -14,6 +14,9 @@ a step's transients, which sharding does not shrink either: activations, the voc
 block's gathered parameters, the root module's (embeddings and tied head) gathered for the whole step, and
 freed memory glibc keeps. `end_mb`, resident after the last step and save, is closer to the state a rank holds.
 
+Then each final checkpoint is read as evaluation and export read it (`load_hf`, a fresh process): the peak
+of reading the sharded folder against reading DDP's single file, beside the model's own fp32 size.
+
 Prints one JSON line last.
 """
 
@@ -30,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
+EXPORT = (
+    "import re, sys; from trainers.format.export import load_hf; m, t = load_hf(sys.argv[1]); "
+    "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) // 1024)"
+)
 BASELINE = (
     "import re, composer, transformers, torch, trainers.build; "
     "print(int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) // 1024)"
@@ -66,6 +73,14 @@ def run(mode: str, preset: str, steps: int, seq_len: int, tmp: Path) -> list[dic
     return sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda r: r["rank"])
 
 
+def export_peak(checkpoint: Path) -> int:
+    """Peak RSS (MB) of a fresh process that reads the checkpoint's model for evaluation or export."""
+    out = subprocess.run([sys.executable, "-c", EXPORT, str(checkpoint)], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"bench/shard_memory.py: reading {checkpoint} failed:\n{out.stderr[-3000:]}")
+    return int(out.stdout.split()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="125m")
@@ -78,6 +93,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tessera-shard-mem-") as tmp:
         ddp = run("ddp", args.preset, args.steps, args.seq_len, Path(tmp))
         fsdp = run("fsdp2", args.preset, args.steps, args.seq_len, Path(tmp))
+        # Evaluation and export read only the model, whole, into one allocation: about one copy of it.
+        from_file = export_peak(next(Path(tmp, "ddp", "ckpt").glob("mem-ddp-s0-tok*-rank0.pt")))
+        from_shards = export_peak(next(p for p in Path(tmp, "fsdp2", "ckpt").glob("mem-fsdp2-s0-tok*") if p.is_dir()))
     ddp_peak, fsdp_peak = max(r["peak_mb"] for r in ddp), max(r["peak_mb"] for r in fsdp)
     result = {
         "bench": "shard_memory",
@@ -95,6 +113,9 @@ def main() -> None:
             (max(r["end_mb"] for r in fsdp) - baseline) / (max(r["end_mb"] for r in ddp) - baseline), 3
         ),
         "baseline_mb": baseline,
+        "export_from_file_mb": from_file,
+        "export_from_shards_mb": from_shards,
+        "model_fp32_mb": round(4 * total_params(PRESETS[args.preset], 50277) / 2**20),
         "ddp_save_s": [r["save_s"][-1] for r in ddp],
         "fsdp2_save_s": [r["save_s"][-1] for r in fsdp],
         "goal": 0.6,

@@ -163,7 +163,7 @@ class GauntletQueue:
         finished = wait([r for _, r, _ in self.pending], timeout=0).done  # local futures: no API round trip
         for _, registration, pin in self.pending:
             if registration in finished:
-                pin.unlink(missing_ok=True)
+                pins.unpin(pin)
 
     def results(self) -> list[Registration]:
         """Every registration, oldest first; raises the first evaluation or registration error."""

@@ -107,10 +107,17 @@ def test_fsdp2_writes_sharded_folders_each_file_published(sharded_reference):
 
 
 def test_fsdp2_and_ddp_losses_equal_one_rank_within_fp32(sharded_reference, tmp_path, sources):
-    """Stage 0 on 1 rank and on 2 DDP ranks; each step's loss against the FSDP2 reference."""
+    """Stage 0 on 1 rank, on 2 DDP ranks and on 2 FSDP2 ranks with activation checkpointing; each step's loss
+    against the FSDP2 reference."""
     _, ref_root = sharded_reference
     sharded = _losses(ref_root / "samples.jsonl")
-    for name, procs, kw in [("one", 1, {}), ("ddp", 2, {"parallelism": {"sharding": "NO_SHARD"}})]:
+    runs = [
+        ("one", 1, {}),
+        ("ddp", 2, {"parallelism": {"sharding": "NO_SHARD"}}),
+        # each block recomputed in backward (a checkpoint wrapper renames its parameters): same init, same losses
+        ("fsdp2-ac", 2, {"parallelism": {"activation_checkpointing": True}}),
+    ]
+    for name, procs, kw in runs:
         (tmp_path / name).mkdir()
         job, job_path = _job(tmp_path / name, sources, **kw)
         _ok(_run(job_path, 0, tmp_path / name / "samples.jsonl", procs=procs), tmp_path / name / "logs")
@@ -263,3 +270,27 @@ def test_a_sharded_index_that_would_run_code_is_refused(sharded_reference, tmp_p
     with pytest.raises(UnsafeCheckpoint, match=r"planted: refused to load: unpickling it needs `io.open`"):
         load_hf(copy)
     assert not marker.exists()
+
+
+def test_continued_pretraining_reads_weights_and_optimizer_state_from_a_sharded_checkpoint(sharded_reference):
+    """`model.init_from` and `train.init_optimizer_from` naming a sharded folder: the weights and AdamW's
+    moments come from the shards, into a model of one process."""
+    import torch
+
+    from trainers.build import _wrap, optimizer_for
+    from trainers.config import OptimConfig
+    from trainers.model import build_model, read_weights_from
+    from trainers.optimizer_seed import seed_optimizer
+
+    ref_job, _ = sharded_reference
+    folder = _final(ref_job)
+    stored = _tensors(folder)
+    model = build_model(ref_job.model, ref_job.vocab_size, ref_job.max_seq_len, ref_job.eos_token_id, seed=1)
+    weights = read_weights_from(model, str(folder))
+    assert all(torch.equal(weights[k], stored[f"state.model.model.{k}"]) for k in model.state_dict())
+    wrapped = _wrap(model, None)  # as the trainer holds it: Composer names parameters model.<hf name>
+    optimizer = optimizer_for(wrapped, OptimConfig())
+    assert seed_optimizer(wrapped, optimizer, str(folder)) == f"restored from {folder}"
+    up = model.model.layers[0].mlp.up_proj.weight
+    saved = stored["state.optimizers.AdamW.state.model.model.layers.0.mlp.up_proj.weight.exp_avg_sq"]
+    assert torch.equal(optimizer.state[up]["exp_avg_sq"], saved)

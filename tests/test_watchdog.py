@@ -132,10 +132,10 @@ def _heartbeat(job_path: Path, rank: int) -> dict | None:
 
 
 def _model(job) -> dict:
+    from tests.support.training import model_tensors
     from trainers.format.checkpoints import list_complete
-    from trainers.format.safe_load import load
 
-    return load(list_complete(job.save_folder)[-1].path)["state"]["model"]
+    return model_tensors(list_complete(job.save_folder)[-1].path)
 
 
 @pytest.fixture(scope="module")

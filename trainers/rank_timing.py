@@ -5,9 +5,10 @@ group, since each waits for it in the gradient all-reduce: the group's throughpu
 slow, not who. Each step is split on every rank into
     data_s        waiting for the batch (Composer's BEFORE_DATALOADER to AFTER_DATALOADER);
     collective_s  wall time with a collective in flight: each bucket's gradient all-reduce (a DDP communication
-                  hook around the default all-reduce), DDP's broadcast of the buffers at each forward, and the
-                  reductions Composer's loop makes itself (composer.utils.dist's functions, timed while the stage
-                  trains); the union of their intervals;
+                  hook around the default all-reduce), DDP's broadcast of the buffers at each forward, or under
+                  FSDP2 each unit's parameter all-gather (issued, then waited for) and gradient reduce-scatter,
+                  and the reductions Composer's loop makes itself (composer.utils.dist's functions, timed while the
+                  stage trains); the union of their intervals;
     compute_s     the rest of the step: forward, backward and optimizer not spent waiting on a peer.
 The slow rank is the one whose compute_s stands out: it waits least in the all-reduce, its peers most.
 
@@ -15,8 +16,8 @@ Every `slow_rank_every_steps` steps each rank hands its means to a background th
 the launch's store (a key per rank: no collective, nothing on the hot path); rank 0's thread reads
 every rank's and prints one `tessera.ranks {json}` line (trainers/progress.py), logs
 `ranks/slowest_over_median` to MLflow at the step's tokens, and tags the run `tessera.slow_rank` when
-one rank stays above `slow_rank_factor` x the median for three comparisons in a row. With one rank,
-or under FSDP (no DDP hook), only data_s and compute_s are known and nothing is compared.
+one rank stays above `slow_rank_factor` x the median for three comparisons in a row. With one rank
+only data_s and compute_s are known and nothing is compared.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class RankTiming(Callback):
             if broadcast is not None:
                 state.model._distributed_broadcast_coalesced = self._timed(broadcast)
             self._hooked = True
+        if self.world > 1 and self._time_fsdp2(state.model):
+            self._hooked = True
         if self.world > 1:
             # Composer's loop itself reduces across ranks every step (the loss, its out-of-memory flags), through
             # composer.utils.dist, whose functions it looks up at each call: the first rank to arrive waits there.
@@ -106,6 +109,27 @@ class RankTiming(Callback):
         if self.world > 1:
             self._thread = threading.Thread(target=self._post_and_compare, name="tessera-rank-timing", daemon=True)
             self._thread.start()
+
+    def _time_fsdp2(self, model) -> bool:
+        """Time FSDP2's collectives, which have no hook: the three functions its parameter groups call (torch
+        2.7's `_fsdp_param_group` namespace: the all-gather's issue, its wait and copy-out, the reduce-scatter).
+        False if the model is not sharded, or this torch names them otherwise (then nothing is compared)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not any(isinstance(m, FSDPModule) for m in model.modules()):
+            return False
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+        except ImportError:
+            return False
+        names = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+        if not all(callable(getattr(group, name, None)) for name in names):
+            return False
+        for name in names:
+            original = getattr(group, name)
+            self._patched.append((group, name, original))
+            setattr(group, name, self._timed(original))
+        return True
 
     def _timed_allreduce(self, _state, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
