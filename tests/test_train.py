@@ -760,7 +760,7 @@ def test_a_resume_inside_a_stage_draws_the_random_numbers_it_saved(tmp_path, sou
 
 @pytest.mark.slow
 def test_two_ranks_survive_a_lost_peer_and_match_one_rank(reference, tmp_path, sources):
-    """DDP over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
+    """FSDP2 over gloo, 2 processes under Composer's launcher: rank 1 is SIGKILLed after step 5; the launcher
     exits with a relaunchable code; the relaunch resumes at 1024 tokens; samples and losses match the 1-process run."""
 
     job, job_path = _job(tmp_path, sources)  # both stages: the LR horizon must match the reference's
