@@ -57,14 +57,9 @@ def sharded_reference(tmp_path_factory, sources):
 
 def _tensors(folder: str | Path) -> dict:
     """Every tensor of a sharded checkpoint (model and optimizer), read whole."""
-    import torch
+    from trainers.format.sharded import read_tensors
 
-    from trainers.format.sharded import read_into, tensor_keys
-
-    shapes = tensor_keys(folder, "")
-    tensors = {k: torch.empty(shape) for k, shape in shapes.items()}
-    read_into(folder, tensors, "")
-    return tensors
+    return read_tensors(folder, "")
 
 
 def _final(job) -> Path:

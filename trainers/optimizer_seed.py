@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trainers.exit_codes import FatalError
-from trainers.format.safe_load import UnsafeCheckpoint, load, refusal
+from trainers.format.safe_load import UnsafeCheckpoint, load
 from trainers.format.sharded import read_values
 
 log = logging.getLogger("tessera.train")
@@ -42,16 +42,11 @@ def seed_optimizer(
     read weights-only (trainers/format/safe_load.py): one that needs more is a FatalError naming it,
     not a fresh start, unless `trust` (train.trust_checkpoints).
     """
-    import pickle
-
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     try:
-        if Path(checkpoint).is_dir():  # sharded (trainers/format/sharded.py): the optimizer's keys only
-            try:
-                optimizers = read_values(checkpoint, "state.optimizers", trust=trust)
-            except pickle.UnpicklingError as exc:
-                raise UnsafeCheckpoint(refusal(checkpoint, exc)) from None
+        if Path(checkpoint).is_dir():  # sharded: the optimizer's keys only; a refused index is UnsafeCheckpoint
+            optimizers = read_values(checkpoint, "state.optimizers", trust=trust)
         else:
             with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:
                 optimizers = load(_local(checkpoint, tmp), trust=trust, shown=checkpoint)["state"]["optimizers"]

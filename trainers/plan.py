@@ -123,8 +123,8 @@ def _rederived(stage: Stage, tokens: int, path: Path) -> CheckpointInfo | None:
     """The manifest a complete checkpoint named `<run>-s<K>-tok<T>` had: its step count follows from the
     curriculum's batch sizes. None if no step of stage K ends at T tokens.
 
-    A sharded folder is hashed as it is now: its `.metadata` exists only once every rank's shard was
-    written, and DCP checks each tensor's extent in the files as it loads.
+    A sharded folder is hashed as it is now, once `_repaired` found every extent its `.metadata` names
+    inside its files (`sharded.cut_short`): DCP keeps no checksums to check it against.
     """
     into = tokens - stage.start
     if not 0 < into <= stage.tokens or into % stage.tokens_per_batch:

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from trainers import heartbeat
@@ -229,8 +230,6 @@ class RemoteFolder:
         A sharded checkpoint's manifest also waits for the other nodes' files to appear in the mirror;
         `block` waits for them up to `wait_s` (the watchdog's upload budget bounds the stage's end anyway).
         """
-        import time
-
         deadline = time.monotonic() + wait_s
         while self._pending:
             future, info, publish = self._pending[0]

@@ -138,8 +138,8 @@ class PublishingCheckpointSaver(CheckpointSaver):
         mine = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
         if rank == 0:
             mine.append(checkpoints.SHARD_METADATA)
-        for name in mine[:1]:
-            maybe_fault("save", tokens, folder / name)  # a kill mid-write of this rank's shard
+        if mine:
+            maybe_fault("save", tokens, folder / mine[0])  # a kill mid-write of this rank's shard
         entries = [e.model_dump() for e in checkpoints.shard_files(folder, mine)]
         every = [checkpoints.ShardFile(**e) for per_rank in dist.all_gather_object(entries) for e in per_rank]
         return folder, sorted(every, key=lambda e: e.name)

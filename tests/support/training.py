@@ -245,13 +245,9 @@ class MlflowServer:
 def model_tensors(path: str | Path) -> dict:
     """The model's tensors of a checkpoint, a single file or a sharded folder (read whole), by Composer's key."""
     if Path(path).is_dir():
-        import torch
+        from trainers.format.sharded import MODEL_PREFIX, read_tensors
 
-        from trainers.format.sharded import MODEL_PREFIX, read_into, tensor_keys
-
-        tensors = {k: torch.empty(shape) for k, shape in tensor_keys(path, MODEL_PREFIX).items()}
-        read_into(path, tensors, MODEL_PREFIX)
-        return tensors
+        return read_tensors(path, MODEL_PREFIX)
     from trainers.format.safe_load import load
 
     return load(path)["state"]["model"]

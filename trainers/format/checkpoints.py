@@ -83,12 +83,9 @@ def publish(save_folder: str | Path, info: CheckpointInfo) -> CheckpointInfo:
     after a power loss or a node crash a manifest never describes a file the page cache had not
     yet written.
     """
-    if info.files is not None:  # sharded: each rank hashed and fsynced its own files (trainers/saver.py)
-        fsync_path(info.path)
-    else:
-        if info.sha256 is None:  # the file was just written: read back from the page cache
-            info = info.model_copy(update={"sha256": file_sha256(info.path)})
-        fsync_path(info.path)
+    if info.files is None and info.sha256 is None:  # the file was just written: read back from the page cache
+        info = info.model_copy(update={"sha256": file_sha256(info.path)})
+    fsync_path(info.path)  # a sharded folder's entries; its files were fsynced by the ranks that wrote them
     fsync_path(Path(info.path).parent)
     # Only now the manifest, itself fsynced and renamed in, its folder fsynced after (atomic_write).
     atomic_write(manifest_path(save_folder, info.tokens), info.model_dump_json())

@@ -18,9 +18,9 @@ MODEL_PREFIX = "state.model."  # Composer's state dict: state.model.<HuggingFace
 OPTIMIZER_PREFIX = "state.optimizers."
 
 
-def _reader(path: str | Path, trust: bool):
-    """The folder's reader, its index read once here: a refused index raises UnsafeCheckpoint naming the
-    folder (inside DCP's own calls it would come wrapped in a CheckpointException per rank)."""
+def _open(path: str | Path, trust: bool):
+    """(the folder's reader, its index): the index is read here first, so a refused one raises UnsafeCheckpoint
+    naming the folder (inside DCP's own calls it would come wrapped in a CheckpointException per rank)."""
     import pickle
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -29,12 +29,11 @@ def _reader(path: str | Path, trust: bool):
         guard_sharded_index()
     reader = FileSystemReader(str(path))
     try:
-        reader.read_metadata()
+        return reader, reader.read_metadata()
     except pickle.UnpicklingError as exc:
         if "weights only" not in str(exc).lower():
             raise
         raise UnsafeCheckpoint(refusal(path, exc)) from None
-    return reader
 
 
 def cut_short(path: str | Path) -> str | None:
@@ -45,7 +44,7 @@ def cut_short(path: str | Path) -> str | None:
     import pickle
 
     try:
-        metadata = _reader(path, trust=False).read_metadata()
+        _, metadata = _open(path, trust=False)
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
         return f"unreadable index ({type(exc).__name__}: {exc})"
     ends: dict[str, int] = {}
@@ -66,7 +65,7 @@ def tensor_keys(path: str | Path, prefix: str, *, trust: bool = False) -> dict[s
     """{key without `prefix`: shape} of the tensors stored under `prefix`, from the folder's index."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _reader(path, trust).read_metadata()
+    _, metadata = _open(path, trust)
     return {
         key[len(prefix) :]: tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
@@ -78,21 +77,27 @@ def read_values(path: str | Path, key: str, *, trust: bool = False) -> dict:
     """The non-tensor values stored under `key` (e.g. `state.integrations`), as the nested dict Composer saved."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    loaded = _load_state_dict_from_keys(keys={key}, storage_reader=_reader(path, trust))
+    loaded = _load_state_dict_from_keys(keys={key}, storage_reader=_open(path, trust)[0])
     for part in key.split("."):
         loaded = loaded[part]
     return loaded
 
 
 def read_into(path: str | Path, tensors: dict, prefix: str, *, trust: bool = False) -> None:
-    """Fill `tensors` ({key without prefix: allocated tensor}) from the folder, in place, resharding as needed."""
+    """Fill `tensors` ({key without prefix: allocated tensor}) from the folder, in place, resharding as needed
+    (DCP names nested state by dotted keys, so flat keys address it directly)."""
     import torch.distributed.checkpoint as dcp
 
-    nested: dict = {}
-    for key, tensor in tensors.items():
-        nested[prefix + key] = tensor
-    dcp.load(nested, storage_reader=_reader(path, trust), no_dist=True)
-    # dcp.load fills the given tensors in place (flat keys are how DCP names nested state)
+    dcp.load({prefix + key: t for key, t in tensors.items()}, storage_reader=_open(path, trust)[0], no_dist=True)
+
+
+def read_tensors(path: str | Path, prefix: str, *, trust: bool = False) -> dict:
+    """Every tensor stored under `prefix`, read whole into a new CPU tensor, by its key without the prefix."""
+    import torch
+
+    tensors = {key: torch.empty(shape) for key, shape in tensor_keys(path, prefix, trust=trust).items()}
+    read_into(path, tensors, prefix, trust=trust)
+    return tensors
 
 
 def model_class(hf_state: dict):
