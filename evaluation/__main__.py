@@ -144,13 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 args.tracking_uri,
             )
-            model = loaded.model
-            import torch
-
-            if torch.cuda.is_available():
-                model = model.to("cuda")
             report = run_gauntlet(
-                model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
+                loaded.model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
             )
             model_uri = _package(loaded.model, loaded.tokenizer, args, Path(tmp)) if args.package_to else None
         stamp = args.timestamp_ms if args.timestamp_ms is not None else int(time.time() * 1000)

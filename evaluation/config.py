@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 
@@ -22,3 +24,7 @@ class EvalConfig(BaseModel):
     )
     seed: int = Field(1234, description="Seed for few-shot example sampling.")
     strict: bool = Field(False, description="Fail, instead of warning and skipping, when a task file is missing.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto",
+        description="Where the model is scored: auto = the first CUDA device when this machine has one, else CPU.",
+    )

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from evaluation.aggregate import aggregate, benchmark_score
 from evaluation.batching import Throughput, pad_id_of
 from evaluation.config import EvalConfig
@@ -87,10 +89,22 @@ def _find_files(tasks: list[TaskSpec], cfg: EvalConfig) -> tuple[dict[str, str],
     return found, skipped
 
 
+def scoring_device(cfg: EvalConfig) -> torch.device:
+    """The device `cfg.device` names; `auto` takes the GPU when there is one, since the gauntlet is forward
+    passes only and a CPU takes hours over what a GPU scores in minutes."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise GauntletError("eval.device: cuda, but this machine has no CUDA device (use auto or cpu)")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda") if use_cuda else torch.device("cpu")
+
+
 def run_gauntlet(model: Any, tokenizer: Any, cfg: EvalConfig, max_seq_len: int) -> GauntletReport:
-    """Score a transformers causal LM on `cfg.tasks`, aggregated by `cfg.gauntlet` when given."""
+    """Score a transformers causal LM on `cfg.tasks`, aggregated by `cfg.gauntlet` when given.
+
+    The model is moved (in place, as nn.Module.to does) to the device `cfg.device` names."""
     tasks = load_tasks(cfg.tasks)
     spec: GauntletSpec | None = load_gauntlet(cfg.gauntlet) if cfg.gauntlet else None
+    model = model.to(scoring_device(cfg))
     return run_tasks(model, tokenizer, tasks, spec, cfg, max_seq_len)
 
 

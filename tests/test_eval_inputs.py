@@ -149,3 +149,18 @@ def test_task_files_and_yamls_resolve_under_an_s3_root(s3_bucket, tmp_path):
     report = run_gauntlet(bigram_model(tok, {"a": "b"}), tok, cfg, 16)
     assert [(t.key, t.accuracy) for t in report.tasks] == [("lm/0-shot", 1.0)]
     assert report.skipped == {"gone": "task file missing"}
+
+
+def test_scoring_device_follows_eval_device_and_names_the_field_when_there_is_no_gpu():
+    import torch
+
+    from evaluation.runner import scoring_device
+
+    cfg = dict(every=1, tasks="t.yaml")
+    assert scoring_device(EvalConfig(**cfg, device="cpu")).type == "cpu"
+    assert scoring_device(EvalConfig(**cfg)).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(GauntletError, match=r"^eval.device: cuda, but this machine has no CUDA device"):
+            scoring_device(EvalConfig(**cfg, device="cuda"))
+    with pytest.raises(ValueError, match="device"):
+        EvalConfig(**cfg, device="tpu")
