@@ -205,7 +205,22 @@ class KubernetesConfig(_Kube):
         "here but against compute.max_preemptions.",
     )
     pending_timeout_s: float = Field(
-        900.0, gt=0, description="A pod unscheduled this long fails the stage with the scheduler's reason."
+        900.0,
+        gt=0,
+        description="A pod of an admitted group unscheduled this long fails the stage with the scheduler's reason. "
+        "Time the group waits suspended in its Kueue queue does not count (see queue_timeout_s).",
+    )
+    queue_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A group suspended by Kueue (not admitted) this long fails the stage; null: it waits in its queue "
+        "as long as the queue takes, which is what a queue is for.",
+    )
+    api_lost_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long the launcher keeps trying to reach an API server that does not answer before the "
+        "stage ends as retryable 'lost track of the job' (the group is left running; the retry re-attaches to it).",
     )
     image_pull_timeout_s: float = Field(
         600.0, gt=0, description="A pod in ImagePullBackOff/ErrImagePull this long fails the attempt (retryable)."

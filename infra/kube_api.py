@@ -12,12 +12,23 @@ import json
 import os
 from collections.abc import Iterator
 
-from kubernetes import client, config, watch
+import urllib3
+from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from infra.kube_names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 FOREGROUND = "Foreground"  # the owner goes only after its Jobs and pods: nothing outlives a delete
+
+# Every request has a client-side limit: the client's default is none, and a half-open connection (a node of the
+# API server gone without a FIN) would then block its caller forever. (connect, read) seconds.
+REQUEST_TIMEOUT = (10.0, 30.0)
+# A watch is ended by the server after its timeoutSeconds; silence this much longer means the connection is dead.
+WATCH_SLACK_S = 15.0
+# A followed log can be quiet for minutes (a checkpoint save, an evaluation): the read limit only has to notice a
+# dead connection eventually; the relay then reconnects and skips what it already has.
+FOLLOW_READ_S = 300.0
 
 
 class KubeError(RuntimeError):
@@ -26,6 +37,23 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, reason: str, message: str):
         super().__init__(f"{status} {reason}: {message}" if status else message)
         self.status, self.reason, self.message = status, reason, message
+
+    @property
+    def transient(self) -> bool:
+        """Whether asking again later may succeed: no answer, throttled, the server's own error, or a watch
+        whose resourceVersion was compacted away (410: relist and watch again)."""
+        return isinstance(self, ApiUnreachable) or self.status in (410, 429) or self.status >= 500
+
+
+class ApiUnreachable(KubeError):
+    """No answer from the API server: refused, reset, timed out, or the stream broke off."""
+
+    def __init__(self, what: str, exc: BaseException):
+        super().__init__(0, "", f"no answer from the Kubernetes API ({what}): {type(exc).__name__}: {exc}")
+
+
+# What urllib3 and the socket raise when the server is away, resets, or never answers; the client passes them on.
+_TRANSPORT = (urllib3.exceptions.HTTPError, OSError)
 
 
 def _error(exc: ApiException) -> KubeError:
@@ -67,17 +95,16 @@ class Kube:
     @staticmethod
     def _call(fn, *args, **kwargs) -> dict:
         try:
-            resp = fn(*args, _preload_content=False, **kwargs)
+            resp = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            return json.loads(resp.data or b"{}")
         except ApiException as exc:
             raise _error(exc) from None
-        return json.loads(resp.data or b"{}")
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(fn.__name__, exc) from None
 
     def _custom(self, verb: str, *args, **kwargs) -> dict:
         fn = getattr(self.custom, f"{verb}_namespaced_custom_object")
-        try:
-            return fn(JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, *args, **kwargs)
-        except ApiException as exc:
-            raise _error(exc) from None
+        return self._call(fn, JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, *args, **kwargs)
 
     # -- create / read / delete ----------------------------------------------------------------------
 
@@ -128,8 +155,11 @@ class Kube:
                 raise
 
     def list(self, kind: str, selector: str = "", field_selector: str = "") -> list[dict]:
+        return self._list_raw(kind, selector, field_selector).get("items", [])
+
+    def _list_raw(self, kind: str, selector: str = "", field_selector: str = "") -> dict:
         if kind == "JobSet":
-            return self._custom("list", label_selector=selector, field_selector=field_selector).get("items", [])
+            return self._custom("list", label_selector=selector, field_selector=field_selector)
         fn = {
             "ConfigMap": self.core.list_namespaced_config_map,
             "NetworkPolicy": self.networking.list_namespaced_network_policy,
@@ -138,7 +168,16 @@ class Kube:
             "Pod": self.core.list_namespaced_pod,
             "Event": self.core.list_namespaced_event,
         }[kind]
-        return self._call(fn, self.namespace, label_selector=selector, field_selector=field_selector).get("items", [])
+        return self._call(fn, self.namespace, label_selector=selector, field_selector=field_selector)
+
+    def patch(self, kind: str, name: str, patch: dict) -> dict:
+        """A merge patch of a namespaced object beside a group (its metadata: ownerReferences)."""
+        fn = {
+            "ConfigMap": self.core.patch_namespaced_config_map,
+            "NetworkPolicy": self.networking.patch_namespaced_network_policy,
+            "Service": self.core.patch_namespaced_service,
+        }[kind]
+        return self._call(fn, name, self.namespace, patch)
 
     def patch_node(self, name: str, patch: dict) -> dict:
         """A strategic merge patch of a Node (cluster-scoped: its labels, to keep groups off it)."""
@@ -146,47 +185,93 @@ class Kube:
 
     # -- watch and logs ------------------------------------------------------------------------------
 
-    def watch(self, kind: str, name: str, timeout_s: int) -> Iterator[tuple[str, dict]]:
-        """(type, object) events of one JobSet or Job until the server ends the watch after timeout_s."""
+    def get_with_version(self, kind: str, name: str) -> tuple[dict | None, str]:
+        """The object (None when there is none) and the resourceVersion to watch it from: the list's, so a watch
+        started from it misses no change made after this read, the object's deletion included."""
+        listed = self._list_raw(kind, field_selector=f"metadata.name={name}")
+        items = listed.get("items", [])
+        return (items[0] if items else None), (listed.get("metadata") or {}).get("resourceVersion", "")
+
+    def watch(self, kind: str, name: str, timeout_s: int, resource_version: str = "") -> Iterator[tuple[str, dict]]:
+        """(type, object) events of one JobSet or Job after `resource_version` (none: its current state first, as
+        ADDED) until the server ends the watch after timeout_s.
+
+        Raises KubeError 410 when that version is too old (the server compacted it: relist), ApiUnreachable when
+        the connection breaks or stays silent past timeout_s + WATCH_SLACK_S. The client's own Watch is not used:
+        with raw events it fails on an ERROR event (KeyError 'raw_object') instead of reporting it.
+        """
         if kind == "JobSet":
-            fn, args = (
-                self.custom.list_namespaced_custom_object,
-                (JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL),
-            )
+            fn = self.custom.list_namespaced_custom_object
+            args: tuple = (JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL)
         else:
             fn, args = self.batch.list_namespaced_job, (self.namespace,)
-        w = watch.Watch()
+        extra = {"resource_version": resource_version} if resource_version else {}
         try:
-            for event in w.stream(
-                fn, *args, field_selector=f"metadata.name={name}", timeout_seconds=timeout_s, deserialize=False
-            ):
-                obj = event.get("raw_object") or event.get("object")
-                if isinstance(obj, str):
-                    obj = json.loads(obj)
-                yield event["type"], obj
+            resp = fn(
+                *args,
+                field_selector=f"metadata.name={name}",
+                watch=True,
+                timeout_seconds=timeout_s,
+                _preload_content=False,
+                _request_timeout=(REQUEST_TIMEOUT[0], timeout_s + WATCH_SLACK_S),
+                **extra,
+            )
         except ApiException as exc:
             raise _error(exc) from None
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(f"watch of {kind} {name}", exc) from None
+        try:
+            for line in iter_resp_lines(resp):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    raise ApiUnreachable(f"watch of {kind} {name}", ValueError(f"cut-off event: {line[:80]}")) from None
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":  # a Status in the stream, e.g. 410 Expired
+                    raise KubeError(int(obj.get("code") or 0), obj.get("reason", ""), obj.get("message", ""))
+                yield event["type"], obj
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(f"watch of {kind} {name}", exc) from None
         finally:
-            w.stop()
+            resp.close()
+            resp.release_conn()
 
     def follow_log(self, pod: str, container: str, since_start: bool = True) -> Iterator[bytes]:
         """The container's output as it is written, until the container ends (or the stream breaks)."""
         try:
             resp = self.core.read_namespaced_pod_log(
-                pod, self.namespace, container=container, follow=True, _preload_content=False
+                pod,
+                self.namespace,
+                container=container,
+                follow=True,
+                _preload_content=False,
+                _request_timeout=(REQUEST_TIMEOUT[0], FOLLOW_READ_S),
             )
         except ApiException as exc:
             raise _error(exc) from None
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(f"log of pod {pod}", exc) from None
         try:
             yield from resp.stream(4096, decode_content=True)
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(f"log of pod {pod}", exc) from None
         finally:
             resp.release_conn()
 
     def log_tail(self, pod: str, container: str, lines: int) -> str:
         try:
             resp = self.core.read_namespaced_pod_log(
-                pod, self.namespace, container=container, tail_lines=lines, _preload_content=False
+                pod,
+                self.namespace,
+                container=container,
+                tail_lines=lines,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
             )
+            return resp.data.decode(errors="replace")
         except ApiException as exc:
             raise _error(exc) from None
-        return resp.data.decode(errors="replace")
+        except _TRANSPORT as exc:
+            raise ApiUnreachable(f"log of pod {pod}", exc) from None

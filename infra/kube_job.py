@@ -9,6 +9,7 @@ every object (infra/kube_cleanup.py) before the job counts as ended.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome
 from infra.kube_relay import LogRelay
 from infra.kube_watch import GroupWatch
 from infra.lifecycle import forget
+
+log = logging.getLogger(__name__)
 
 
 class KubernetesJob:
@@ -121,9 +124,24 @@ class KubernetesJob:
         and the failing pod's last lines, then the line that explains the end."""
         return self._log.tail(lines, max_bytes)
 
+    @property
+    def lost(self) -> bool:
+        """The launcher lost the API, not the group: it may still be training, and is left for the retry to adopt."""
+        return self._outcome is not None and self._outcome.lost
+
     def cancel(self, grace_s: float = 10.0) -> None:
-        """Delete every object of the launch (foreground: the pods go first) and wait until they are gone."""
+        """Delete every object of the launch (foreground: the pods go first) and wait until they are gone.
+
+        After "lost track" the objects are left alone unless the flow itself is stopping (`stopped`): the group
+        may be training still, and the task's retry looks it up and re-attaches to it (infra/kubernetes.py)
+        rather than restart it from its last checkpoint. Deleting it blind would throw that work away."""
         self._stop.set()
+        if self.lost and not self.stopped:
+            if self._watcher.ident is not None:
+                self._watcher.join(timeout=5.0)
+            if self._logger.ident is not None:
+                self._logger.join(timeout=5.0)
+            return  # still registered: a flow that fails from here on deletes it in cancel_all
         delete_launch(self.kube, self.objects, grace_s + self.delete_wait_s, self._relay.line)
         if self._watcher.ident is not None:
             self._watcher.join(timeout=max(5.0, grace_s))
@@ -154,9 +172,16 @@ class KubernetesJob:
         self._outcome = outcome
 
     def _watch(self) -> None:
+        # Whatever happens here must end in an Outcome: a watcher thread that died would leave poll() at None and
+        # the training task waiting forever on a group that may long have ended.
         try:
             outcome = self._group.until_end(self.watch_s)
         except KubeError as exc:
             outcome = Outcome(RETRYABLE, "failure", f"lost track of {self.kind} {self.name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen client error: retryable, and said
+            log.exception("the watch of %s %s failed", self.kind, self.name)
+            outcome = Outcome(
+                RETRYABLE, "failure", f"lost track of {self.kind} {self.name}: {type(exc).__name__}: {exc}", lost=True
+            )
         if outcome is not None:
             self.end(outcome)

@@ -41,6 +41,7 @@ class Outcome:
     code: int
     cause: Cause
     message: str
+    lost: bool = False  # the API was lost, not the group: it may still run, and must not be deleted blind
 
 
 @dataclass(frozen=True)

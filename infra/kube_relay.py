@@ -108,10 +108,17 @@ class LogRelay:
                                 self._write(chunk)
                             written[uid] += len(chunk)
                 except (KubeError, OSError, ValueError):
-                    pass  # the pod went away under the stream; the next round sees what replaced it
-                phase = ((self._pod(name) or {}).get("status") or {}).get("phase")
+                    pass  # the pod went away under the stream, or the API did; the next round sees which
+                try:
+                    phase = ((self._pod(name) or {}).get("status") or {}).get("phase")
+                except KubeError:  # the API is away: the pod may be running still; follow it again later
+                    if self._stop.wait(1.0):
+                        return
+                    continue
                 if phase in (None, "Succeeded", "Failed"):
                     done.add(uid)
+                elif self._stop.wait(0.5):  # the stream ended early (a read timeout, a reset): not a busy loop
+                    return
                 continue
             if ended or self._stop.is_set():
                 return

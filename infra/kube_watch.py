@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from infra.config import ComputeConfig, KubernetesConfig
-from infra.kube_api import Kube
+from infra.kube_api import Kube, KubeError
 from infra.kube_cleanup import delete_for_recreate
 from infra.kube_names import Workload, selector_string
 from infra.kube_nodes import avoid
@@ -34,6 +34,10 @@ from infra.kube_outcome import (
     unschedulable,
     waiting,
 )
+
+# Between attempts to reach an API server that does not answer: doubling from the first to the second, so a blip
+# costs a second and an outage is asked about every few seconds, not hammered.
+BACKOFF_S = (0.5, 8.0)
 
 
 class GroupWatch:
@@ -68,29 +72,77 @@ class GroupWatch:
         # goodput ledger's `pending` (tasks/goodput.py).
         self.pending_s = 0.0
         self._judged_at: float | None = None
+        self._recreated = False  # an indexed job was deleted and created again: watch the new one afresh
 
     def failure_behind(self, outcome: Outcome) -> PodFailure | None:
         """The pod failure of this attempt that `outcome` reports, if it reports one."""
         return next((f for f in self._failures.values() if f.message in outcome.message), None)
 
     def until_end(self, watch_s: float) -> Outcome | None:
+        """Watch from the last resourceVersion seen, through dropped connections, 5xx answers and API restarts
+        (each retried with backoff), and a compacted version (410: read the group again, watch from there).
+        An API server that stays away longer than compute.kubernetes.api_lost_s ends the watch as retryable
+        "lost track": the group is left running for the task's retry to find and re-attach to."""
+        version = ""  # where the next watch starts; "" = read the group first
+        lost_since: float | None = None
+        delay = BACKOFF_S[0]
         while not self._stop.is_set():
-            for kind, obj in self.kube.watch(self.kind, self.name, watch_s):
+            try:
+                if not version:
+                    obj, version = self.kube.get_with_version(self.kind, self.name)
+                    if obj is None:
+                        return self._gone()
+                    outcome = self._judge(obj)
+                    if outcome is not None:
+                        return outcome
+                for kind, obj in self.kube.watch(self.kind, self.name, watch_s, version):
+                    if self._stop.is_set():
+                        return None
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                    if kind == "DELETED":
+                        return self._gone()
+                    if kind == "BOOKMARK":
+                        continue
+                    outcome = self._judge(obj)
+                    if outcome is not None:
+                        return outcome
+                    if self._recreated:  # the old incarnation's events (its deletion) are not the new one's
+                        self._recreated, version = False, ""
+                        break
                 if self._stop.is_set():
                     return None
-                if kind == "DELETED":
+                obj = self.kube.get(self.kind, self.name)
+                if obj is None:
                     return self._gone()
-                outcome = self._judge(obj)
+                outcome = self._judge(obj)  # pods and timeouts change without an event on the group
                 if outcome is not None:
                     return outcome
-            if self._stop.is_set():
-                return None
-            obj = self.kube.get(self.kind, self.name)
-            if obj is None:
-                return self._gone()
-            outcome = self._judge(obj)  # pods and timeouts change without an event on the group
-            if outcome is not None:
-                return outcome
+            except KubeError as exc:
+                if not exc.transient:
+                    raise
+                if exc.status == 410:  # compacted: nothing lost, the group is read again below
+                    version = ""
+                    continue
+                now = time.monotonic()
+                if lost_since is None:
+                    lost_since = now
+                    self._report(f"the Kubernetes API is not answering ({exc}); watching {self._what()} again")
+                away = now - lost_since
+                if away > self.cfg.api_lost_s:
+                    return Outcome(
+                        RETRYABLE,
+                        "failure",
+                        f"lost track of {self._what()}: the Kubernetes API did not answer for {away:.0f}s "
+                        f"(compute.kubernetes.api_lost_s={self.cfg.api_lost_s:.0f}): {exc}; the group was left "
+                        f"running, and the stage's retry re-attaches to it if it still runs",
+                        lost=True,
+                    )
+                self._stop.wait(min(delay, max(0.0, self.cfg.api_lost_s - away) + 0.1))
+                delay = min(delay * 2, BACKOFF_S[1])
+                continue
+            if lost_since is not None:
+                self._report(f"the Kubernetes API answers again after {time.monotonic() - lost_since:.0f}s")
+                lost_since, delay = None, BACKOFF_S[0]
         return None
 
     def _gone(self) -> Outcome | None:
@@ -108,7 +160,10 @@ class GroupWatch:
         """An Outcome once the group has ended (or must be ended), else None; recreates an indexed job."""
         now = time.monotonic()
         pods = [p for p in self._pods() if not (p.get("metadata") or {}).get("deletionTimestamp")]
-        queued = condition(group, "Suspended") is not None or any(unschedulable(p) for p in pods)
+        suspended = condition(group, "Suspended") is not None
+        queued = suspended or any(unschedulable(p) for p in pods)
+        if suspended:  # Kueue's queue, not the scheduler: a pod's pending clock starts once the group is admitted
+            self._since = {k: v for k, v in self._since.items() if k[1] != "pending"}
         if queued and self._judged_at is not None:
             self.pending_s += now - self._judged_at
         self._judged_at = now
@@ -183,12 +238,13 @@ class GroupWatch:
                 f"({self.preemptions} > compute.max_preemptions={self.compute.max_preemptions})",
             )
         suspended = condition(js, "Suspended")
-        if suspended and self._stuck(self.name, "suspended", now) > self.cfg.pending_timeout_s:
+        limit = self.cfg.queue_timeout_s
+        if suspended and limit is not None and self._stuck(self.name, "suspended", now) > limit:
             queue = f" in queue {self.cfg.queue_name}" if self.cfg.queue_name else ""
             return Outcome(
                 FATAL,
                 "fatal",
-                f"{self._what()} suspended for {self.cfg.pending_timeout_s:.0f}s, not "
+                f"{self._what()} suspended for {limit:.0f}s (compute.kubernetes.queue_timeout_s), not "
                 f"admitted{queue}: {suspended.get('message', '')}".rstrip(": "),
             )
         if not suspended:
@@ -228,5 +284,6 @@ class GroupWatch:
         """The Job's restart as a group, as a JobSet's BlockingRecreate does it (infra/kube_cleanup.py)."""
         delete_for_recreate(self.kube, self.kind, self.name, self.delete_wait_s, self._stop)
         self.kube.create(self.group)
+        self._recreated = True
         self._failures.clear()
         self._since.clear()

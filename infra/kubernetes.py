@@ -22,6 +22,7 @@ that the job ends as preempted and reports the count in `preemptions`.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,9 +32,11 @@ from infra.kube_cleanup import delete_ended_group
 from infra.kube_job import KubernetesJob
 from infra.kube_names import EVAL_CONTAINER, LABEL_ATTEMPT, TRAIN_CONTAINER, Workload, selector_string
 from infra.kube_outcome import FATAL, Outcome, condition
-from infra.lifecycle import launching
+from infra.lifecycle import LaunchRefused, refuse_if_stopping, register
 from infra.manifests import eval_job, stage_manifests
 from infra.pod_spec import JOB_DIR, JOB_FILE
+
+log = logging.getLogger(__name__)
 
 
 def _option(args: Sequence[str], flag: str) -> str:
@@ -104,52 +107,79 @@ class KubernetesBackend:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / ("pod0.log" if unit.component == "train" else "eval.log")
         kind = "JobSet" if unit.component == "train" and self.cfg.api == "jobset" else "Job"
-        with launching() as live:
-            found = self.kube.list(kind, selector_string(unit.selector()))
-            attempts = [int(o["metadata"]["labels"].get(LABEL_ATTEMPT, 0)) for o in found]
-            key = (unit.run, unit.component, unit.stage, unit.tokens)
-            attempt = max([self._next_attempt.get(key, 0), *(a + 1 for a in attempts)])
-            for obj in found:
-                if _is_live(obj):  # re-attach: this run's stage is already training
-                    work = Workload(**{**unit.__dict__, "attempt": int(obj["metadata"]["labels"][LABEL_ATTEMPT])})
-                    job = KubernetesJob(
-                        self.kube,
-                        self.compute,
-                        work,
-                        build(work),
-                        container,
-                        log_path,
-                        recreate=recreate,
-                        created=False,
-                    )
-                    job.note(
-                        f"re-attached to the live {kind} {obj['metadata']['name']} (attempt {work.attempt}) "
-                        f"instead of creating another"
-                    )
-                    live.add(job)
-                    self._next_attempt[key] = work.attempt + 1
-                    return job.start()
-            for obj in found:  # ended groups an earlier process left behind: never two groups of one stage
-                delete_ended_group(self.kube, kind, obj["metadata"]["name"], KubernetesJob.delete_wait_s)
-            work = Workload(**{**unit.__dict__, "attempt": attempt})
-            self._next_attempt[key] = attempt + 1
-            objects = build(work)
-            job = KubernetesJob(
-                self.kube, self.compute, work, objects, container, log_path, recreate=recreate, created=True
-            )
+        # The process-wide launch lock is not held across the API calls below (a list, deletes that wait up to
+        # delete_wait_s, creates): a cancel must never wait behind a slow API server. It is taken to check
+        # "stopping" here and to register the job at the end, where a cancel that came meanwhile is honoured.
+        refuse_if_stopping()
+        found = self.kube.list(kind, selector_string(unit.selector()))
+        attempts = [int(o["metadata"]["labels"].get(LABEL_ATTEMPT, 0)) for o in found]
+        key = (unit.run, unit.component, unit.stage, unit.tokens)
+        attempt = max([self._next_attempt.get(key, 0), *(a + 1 for a in attempts)])
+        for obj in found:
+            if _is_live(obj):  # re-attach: this run's stage is already training
+                work = Workload(**{**unit.__dict__, "attempt": int(obj["metadata"]["labels"][LABEL_ATTEMPT])})
+                job = KubernetesJob(
+                    self.kube, self.compute, work, build(work), container, log_path, recreate=recreate, created=False
+                )
+                job.note(
+                    f"re-attached to the live {kind} {obj['metadata']['name']} (attempt {work.attempt}) "
+                    f"instead of creating another"
+                )
+                self._next_attempt[key] = work.attempt + 1
+                # the launch that lost track of this group hands it over to this one
+                return self._registered(job, replaces=_lost_launch_of(job.name)).start()
+        for obj in found:  # ended groups an earlier process left behind: never two groups of one stage
+            delete_ended_group(self.kube, kind, obj["metadata"]["name"], KubernetesJob.delete_wait_s)
+        work = Workload(**{**unit.__dict__, "attempt": attempt})
+        self._next_attempt[key] = attempt + 1
+        objects = build(work)
+        job = KubernetesJob(
+            self.kube, self.compute, work, objects, container, log_path, recreate=recreate, created=True
+        )
+        try:
+            for obj in objects:
+                created = self.kube.create(obj)
+                if obj is objects[-1]:
+                    self._own(objects[:-1], created)
+        except KubeError as exc:
+            if exc.transient:
+                raise  # the API server is unwell: a retry of the task may find it well (and re-attach)
+            job.end(Outcome(FATAL, "fatal", _refusal(obj, exc)))
+            return self._registered(job)
+        names = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects)
+        job.note(f"created {names} in namespace {self.cfg.namespace}")
+        return self._registered(job).start()
+
+    def _registered(self, job: KubernetesJob, replaces=None) -> KubernetesJob:
+        if not register(job, replaces):  # cancel_all came while this launch talked to the API
+            job.stopped = True
+            if job.created:
+                job.cancel(grace_s=0)
+            raise LaunchRefused(f"not launching {job.kind} {job.name}: this process is stopping its jobs")
+        return job
+
+    def _own(self, objects: list[dict], group: dict) -> None:
+        """The group owns the objects created beside it (ConfigMap, Service, NetworkPolicy): should the launcher
+        die before it deletes them, Kubernetes' garbage collector removes them with the group."""
+        owner = {
+            "apiVersion": group.get("apiVersion", ""),
+            "kind": group["kind"],
+            "name": group["metadata"]["name"],
+            "uid": group["metadata"]["uid"],
+            "blockOwnerDeletion": False,
+        }
+        for obj in objects:
             try:
-                for obj in objects:
-                    self.kube.create(obj)
+                self.kube.patch(obj["kind"], obj["metadata"]["name"], {"metadata": {"ownerReferences": [owner]}})
             except KubeError as exc:
-                if exc.status in (0, 429) or exc.status >= 500:
-                    raise  # the API server is unwell: a retry of the task may find it well
-                job.end(Outcome(FATAL, "fatal", _refusal(obj, exc)))
-                live.add(job)
-                return job
-            names = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects)
-            job.note(f"created {names} in namespace {self.cfg.namespace}")
-            live.add(job)
-            return job.start()
+                if exc.transient:
+                    raise
+                # a safety net only (the launcher deletes them itself): an account without `patch` still trains
+                log.warning("could not make %s %s owned by its group: %s", obj["kind"], obj["metadata"]["name"], exc)
+
+
+def _lost_launch_of(name: str):
+    return lambda j: getattr(j, "lost", False) and getattr(j, "name", None) == name
 
 
 def _is_live(obj: dict) -> bool:

@@ -6,7 +6,7 @@ Both backends register their jobs here; `cancel_all` is what a failing or cancel
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -36,6 +36,27 @@ def launching() -> Iterator[set[StoppableJob]]:
         if _STOPPING.is_set():
             raise LaunchRefused("not launching: this process is stopping its jobs (the flow failed or was cancelled)")
         yield _LIVE
+
+
+def refuse_if_stopping() -> None:
+    """Raise LaunchRefused once cancel_all has begun; for launches that register with `register` afterwards."""
+    if _STOPPING.is_set():
+        raise LaunchRefused("not launching: this process is stopping its jobs (the flow failed or was cancelled)")
+
+
+def register(job: StoppableJob, replaces: Callable[[StoppableJob], bool] | None = None) -> bool:
+    """Add a started job to the live set (dropping those `replaces` picks); False, and nothing added, when
+    cancel_all has begun meanwhile: the caller then stops what it started itself.
+
+    For launches whose start talks to a remote API (Kubernetes): the lock is held only for this, never across the
+    API's calls, so a cancel never waits behind a slow API server (`launching` holds it across the start)."""
+    with _LOCK:
+        if _STOPPING.is_set():
+            return False
+        if replaces is not None:
+            _LIVE.difference_update([j for j in _LIVE if replaces(j)])
+        _LIVE.add(job)
+        return True
 
 
 def forget(job: StoppableJob) -> None:

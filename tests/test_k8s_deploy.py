@@ -32,17 +32,20 @@ def test_rbac_grants_exactly_what_the_launcher_calls():
         ("batch", "jobs"): sorted(["create", "get", "list", "watch", "delete"]),
         ("", "pods"): ["list"],
         ("", "pods/log"): ["get"],
-        ("", "services"): sorted(["create", "get", "list", "delete"]),
-        ("", "configmaps"): sorted(["create", "get", "list", "delete"]),
-        ("networking.k8s.io", "networkpolicies"): sorted(["create", "get", "list", "delete"]),
+        ("", "services"): sorted(["create", "get", "list", "delete", "patch"]),
+        ("", "configmaps"): sorted(["create", "get", "list", "delete", "patch"]),
+        ("networking.k8s.io", "networkpolicies"): sorted(["create", "get", "list", "delete", "patch"]),
         ("", "events"): ["list"],
     }
     # every client call in the launcher maps to one of these verbs; no call outside them
     source = (ROOT / "infra" / "kube_api.py").read_text()
-    calls = set(re.findall(r"(create|read|list|delete)_namespaced_(\w+?)(?:_log)?\b", source))
+    calls = set(re.findall(r"(create|read|list|delete|patch)_namespaced_(\w+?)(?:_log)?\b", source))
     used = {("get" if verb == "read" else verb, kind) for verb, kind in calls}
     assert used <= {
         ("create", "config_map"),
+        ("patch", "config_map"),
+        ("patch", "service"),
+        ("patch", "network_policy"),
         ("get", "config_map"),
         ("delete", "config_map"),
         ("list", "config_map"),

@@ -7,6 +7,10 @@ removes a group's pods before the group, and Status objects for errors. Objects 
 the real API returns (metadata.uid/resourceVersion/creationTimestamp, status.conditions,
 containerStatuses, Job failure messages as the Job controller writes them).
 
+It also has a real cluster's faults, each switched on by a test (FakeCluster.faults and FakeApiServer.restart):
+answers of 500, answers slower than the client's timeout, a watch connection reset mid-stream, 410 Gone for a
+watch from a compacted resourceVersion, and an API server that goes away and comes back with its objects.
+
 There are no controllers: a test plays the JobSet/Job controllers and the kubelet through
 FakeCluster's methods (start the pods of a group, write to a pod's log, end a container, set a
 condition), so each scenario says exactly what the cluster did.
@@ -18,6 +22,8 @@ import copy
 import itertools
 import json
 import re
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -80,6 +86,23 @@ def _matches(obj: dict, labels: str, fields: str) -> bool:
     return True
 
 
+class Faults:
+    """Faults a test switches on; each counter is spent one request at a time."""
+
+    def __init__(self) -> None:
+        self.errors = 0  # the next this many requests (of any kind) are answered 500 InternalError
+        self.delay_s = 0.0  # every answer is held back this long first (a slow API server)
+        self.reset_watches = 0  # the next this many watches are reset (TCP RST) after their first events
+        self.lock = threading.Lock()
+
+    def take(self, what: str) -> bool:
+        with self.lock:
+            left = getattr(self, what)
+            if left > 0:
+                setattr(self, what, left - 1)
+            return left > 0
+
+
 class FakeCluster:
     """The API server's state, plus the moves a controller or kubelet would make."""
 
@@ -92,8 +115,23 @@ class FakeCluster:
         self.deletes: list[tuple[str, str, str]] = []  # (kind, name, propagationPolicy)
         self.refuse: dict[str, tuple[int, str, str]] = {}  # kind -> the error a POST (or a Node PATCH) of it gets
         self.delete_delay_s = delete_delay_s
+        self.faults = Faults()
+        self.compacted = 0  # a watch from an older resourceVersion gets 410 Gone (compact() moves it)
+        self.requests = 0  # every request served, watches and logs included
+        self.expired = 0  # watches answered 410 Gone
         self._rv = itertools.count(1)
         self.cond = threading.Condition()
+
+    @property
+    def version(self) -> int:
+        """The newest resourceVersion (what a list reports)."""
+        with self.cond:
+            return self.history[-1][0] if self.history else 0
+
+    def compact(self) -> None:
+        """What etcd's compaction does to watchers: every version up to now is gone (a watch from one gets 410)."""
+        with self.cond:
+            self.compacted = self.version
 
     # -- storage -------------------------------------------------------------------------------------
 
@@ -371,6 +409,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.open_lock:
+            self.server.open.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.open_lock:
+            self.server.open.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:  # the connection was cut under it (a reset, a restart)
+            pass
+
+    def _faulted(self) -> bool:
+        """A fault the test switched on answers this request instead (True: nothing more to send)."""
+        c = self.cluster
+        with c.cond:
+            c.requests += 1
+        if c.faults.delay_s:
+            time.sleep(c.faults.delay_s)
+        if c.faults.take("errors"):
+            self._send(500, _status(500, "InternalError", "Internal error occurred: etcdserver: request timed out"))
+            return True
+        return False
+
     def _route(self):
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -381,6 +444,8 @@ class _Handler(BaseHTTPRequestHandler):
         return None, None, None, None, query
 
     def do_GET(self) -> None:
+        if self._faulted():
+            return
         url = urlparse(self.path)
         m = _LOG_PATH.match(url.path)
         if m:
@@ -398,7 +463,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, obj)
         labels, fields = query.get("labelSelector", ""), query.get("fieldSelector", "")
         if query.get("watch") in ("true", "True", "1"):
-            return self._watch(kind, ns, labels, fields, float(query.get("timeoutSeconds", "5")))
+            since = int(query["resourceVersion"]) if query.get("resourceVersion") else None
+            return self._watch(kind, ns, labels, fields, float(query.get("timeoutSeconds", "5")), since)
         items = [o for o in c.items(kind, labels, fields) if o["metadata"]["namespace"] == ns]
         if kind in (
             "Job",
@@ -411,10 +477,17 @@ class _Handler(BaseHTTPRequestHandler):
             items = [{k: v for k, v in o.items() if k not in ("kind", "apiVersion")} for o in items]
         self._send(
             200,
-            {"apiVersion": api_version, "kind": f"{kind}List", "metadata": {"resourceVersion": "1"}, "items": items},
+            {
+                "apiVersion": api_version,
+                "kind": f"{kind}List",
+                "metadata": {"resourceVersion": str(c.version)},
+                "items": items,
+            },
         )
 
-    def _watch(self, kind: str, ns: str, labels: str, fields: str, timeout: float) -> None:
+    def _watch(self, kind: str, ns: str, labels: str, fields: str, timeout: float, since: int | None) -> None:
+        """Without a resourceVersion: the current state as ADDED, then changes; with one, the changes after it,
+        or (compacted away) one ERROR event holding a 410 Status, as the real server streams it."""
         c = self.cluster
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -422,12 +495,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         deadline = time.monotonic() + timeout
         with c.cond:
-            start = len(c.history)
-            initial = [copy.deepcopy(o) for o in c.items(kind, labels, fields) if o["metadata"]["namespace"] == ns]
+            if since is not None and since < c.compacted:
+                c.expired += 1
+                gone = _status(410, "Expired", f"too old resource version: {since} ({c.compacted})")
+                self.wfile.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                return
+            if since is None:
+                start = len(c.history)
+                initial = [copy.deepcopy(o) for o in c.items(kind, labels, fields) if o["metadata"]["namespace"] == ns]
+            else:
+                start = next((i for i, h in enumerate(c.history) if h[0] > since), len(c.history))
+                initial = []
         try:
-            for obj in initial:  # no resourceVersion given: the current state first, as ADDED
+            for obj in initial:
                 self.wfile.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
             self.wfile.flush()
+            if c.faults.take("reset_watches"):  # the connection drops mid-watch: RST, no clean end
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                return
             pos = start
             while True:
                 with c.cond:
@@ -480,6 +566,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
 
     def do_POST(self) -> None:
+        if self._faulted():
+            return
         kind, api_version, ns, name, _ = self._route()
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         c = self.cluster
@@ -500,15 +588,24 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(201, obj)
 
     def do_PATCH(self) -> None:
-        """A strategic merge patch of a Node's metadata (labels, annotations): what `patch_node` sends."""
-        m = _NODE_PATH.match(urlparse(self.path).path)
+        """A merge patch of an object's metadata: a Node's labels and annotations (`patch_node`), or the
+        ownerReferences of the objects beside a group (`patch`)."""
+        if self._faulted():
+            return
         c = self.cluster
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        m = _NODE_PATH.match(urlparse(self.path).path)
         if m is None:
-            return self._send(405, _status(405, "MethodNotAllowed", "PATCH is served for nodes only here"))
+            kind, _, ns, name, _ = self._route()
+            obj = c.get(kind, name, ns) if kind in ("ConfigMap", "Service", "NetworkPolicy") and name else None
+            if obj is None:
+                return self._send(404, _status(404, "NotFound", f'{(kind or "object").lower()}s "{name}" not found'))
+            obj = copy.deepcopy(obj)
+            obj["metadata"].update({k: v for k, v in (body.get("metadata") or {}).items() if k == "ownerReferences"})
+            return self._send(200, c.put(kind, obj, ns))
         if "Node" in c.refuse:
             code, reason, message = c.refuse["Node"]
             return self._send(code, _status(code, reason, message))
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         node = c.get("Node", m[1], "")
         if node is None:
             return self._send(404, _status(404, "NotFound", f'nodes "{m[1]}" not found'))
@@ -519,6 +616,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, c.put("Node", node, ""))
 
     def do_DELETE(self) -> None:
+        if self._faulted():
+            return
         kind, _, ns, name, query = self._route()
         length = int(self.headers.get("Content-Length", 0) or 0)
         body = json.loads(self.rfile.read(length) or b"{}") if length else {}
@@ -534,10 +633,18 @@ class FakeApiServer:
 
     def __init__(self, cluster: FakeCluster | None = None):
         self.cluster = cluster or FakeCluster()
-        handler = type("Handler", (_Handler,), {"cluster": self.cluster})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
+        self._handler = type("Handler", (_Handler,), {"cluster": self.cluster})
+        self._serve(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def _serve(self, address: tuple[str, int]) -> None:
+        self.httpd = ThreadingHTTPServer(address, self._handler, bind_and_activate=False)
+        self.httpd.allow_reuse_address = True
+        self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, client_address: None  # a reset connection is the test's doing
+        self.httpd.open, self.httpd.open_lock = set(), threading.Lock()  # connections being served
+        self.httpd.server_bind()
+        self.httpd.server_activate()
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeApiServer:
@@ -547,6 +654,22 @@ class FakeApiServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def restart(self, down_s: float) -> None:
+        """The API server goes away for `down_s` (connections refused, open watches and log streams cut), then
+        comes back on the same address with every object and resourceVersion it had, as etcd keeps them."""
+        address = self.httpd.server_address
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        with self.httpd.open_lock:  # open watches and followed logs are cut, as a dying server cuts them
+            for conn in self.httpd.open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        time.sleep(down_s)
+        self._serve(address)
+        self._thread.start()
 
     def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         path.write_text(
