@@ -6,7 +6,11 @@ compute.kubernetes.eval_concurrency, a Prefect concurrency limit) and registrati
 moves must not interleave): each is chained on the one before with Prefect's `wait_for`, so a failed
 evaluation skips only its own registration. Each checkpoint is pinned first (tasks/pins.py) against the
 trainer's keep-last-K rotation, and unpinned once registered; at most `pins.MAX_WAITING` pinned
-checkpoints wait behind the one being scored, so pins never fill the disk.
+checkpoints wait behind the ones being scored, so pins never fill the disk.
+
+On Kubernetes the trainer's folder is in its pods: the queue watches the s3 mirror through one
+RemoteFolder (which reads each manifest once, so a sweep is one LIST), and pins a checkpoint with a
+marker object in it (`pins/<name>`) that the trainer's remote keep-last-K leaves alone.
 """
 
 from __future__ import annotations
@@ -61,13 +65,21 @@ class GauntletQueue:
         self.eval_cfg = target.eval.model_copy(update={"strict": True})
         self.remote_folder, self.version_tags = target.remote_folder, version_tags or {}
         self.pins = run_dir / "pins"
+        # On Kubernetes: the s3 mirror, watched and pinned through one RemoteFolder, which remembers the manifests
+        # it has read (boto3: only when there is a remote folder to read).
+        self.remote = None
+        if self._in_pods:
+            from trainers.remote import RemoteFolder
+
+            self.remote = RemoteFolder(self.remote_folder)
         # Pins a crashed flow left: what is still in the save folder is pinned again as it is found.
-        stale = pins.drop_stale(self.pins)
+        stale = pins.drop_stale(self.pins) + (self.remote.drop_pins() if self.remote else [])
         if stale:
             get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
         self.backlog: pins.Backlog[tuple[CheckpointInfo, CheckpointInfo]] = pins.Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
-        self.pending: list[tuple[PrefectFuture, PrefectFuture, Path]] = []
+        self.pending: list[tuple[PrefectFuture, PrefectFuture]] = []  # (evaluation, registration)
+        self.held: list[tuple[PrefectFuture, CheckpointInfo]] = []  # (registration, pinned): unpinned once done
         self.done: list[Registration] = []
         self.already = existing_registrations(target.tracking, self.run_id)
 
@@ -87,9 +99,6 @@ class GauntletQueue:
         pinned = self._pin(ckpt)
         if pinned is None:
             return
-        if self._in_pods:  # pods read s3 and are bounded by a concurrency limit: nothing held locally
-            self._submit(ckpt, pinned)
-            return
         for skipped, held in self.backlog.add((ckpt, pinned)):
             get_run_logger().warning(
                 "skipping the gauntlet for the checkpoint at %d tokens (%s): evaluation is behind training, "
@@ -98,14 +107,17 @@ class GauntletQueue:
                 skipped.path,
                 pins.MAX_WAITING,
             )
-            pins.unpin(Path(held.path))
+            self._unpin(held)
 
     def _scoring(self) -> bool:
-        """An evaluation is still running (local futures: no API round trip)."""
-        return bool(wait([summary for summary, _, _ in self.pending], timeout=0).not_done)
+        """As many evaluations are running as may run at once (local futures: no API round trip): one in this
+        process, compute.kubernetes.eval_concurrency in pods."""
+        pods = self.target.compute.kubernetes
+        at_once = pods.eval_concurrency if self._in_pods and pods is not None else 1
+        return len(wait([summary for summary, _ in self.pending], timeout=0).not_done) >= at_once
 
     def _submit_if_idle(self) -> None:
-        if not self._scoring():
+        while len(self.backlog) and not self._scoring():
             self._submit_next()
 
     def _submit_next(self) -> None:
@@ -118,17 +130,28 @@ class GauntletQueue:
         return self.target.compute.backend == "kubernetes"
 
     def _complete(self, save_folder: Path) -> list[CheckpointInfo]:
-        if self._in_pods:  # the trainer's folder is in its pod: watch the s3 mirror
-            from trainers.remote import RemoteFolder  # boto3: only when there is a remote folder to read
-
-            return RemoteFolder(self.remote_folder).complete()
+        if self.remote is not None:  # the trainer's folder is in its pod: watch the s3 mirror
+            return self.remote.complete()
         return list_complete(save_folder)
 
     def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
-        if ckpt.path.startswith("s3://"):  # nothing local to pin; the evaluation pod reads it from s3
-            return ckpt
+        if self.remote is not None:  # the evaluation pod reads it from s3: a marker there holds it
+            if self.remote.pin(ckpt):
+                return ckpt
+            get_run_logger().warning(
+                "checkpoint %s was deleted before it could be pinned (keep-last-K rotated it out): "
+                "it will not be evaluated or registered",
+                ckpt.path,
+            )
+            return None
         held = pins.pin(ckpt.path, self.pins)
         return None if held is None else ckpt.model_copy(update={"path": str(held)})
+
+    def _unpin(self, pinned: CheckpointInfo) -> None:
+        if self.remote is not None:
+            self.remote.unpin(Path(pinned.path).name)
+        else:
+            pins.unpin(Path(pinned.path))
 
     def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
         previous = self.pending[-1] if self.pending else None
@@ -157,21 +180,24 @@ class GauntletQueue:
             {**self.version_tags, "checkpoint": where},
             wait_for=[allow_failure(previous[1])] if previous else None,
         )
-        self.pending.append((summary, registration, Path(pinned.path)))
+        self.pending.append((summary, registration))
+        self.held.append((registration, pinned))
 
     def _unpin_finished(self) -> None:
-        finished = wait([r for _, r, _ in self.pending], timeout=0).done  # local futures: no API round trip
-        for _, registration, pin in self.pending:
+        """Each pin released once, when its registration is done (a remote unpin is a request)."""
+        finished = wait([r for r, _ in self.held], timeout=0).done  # local futures: no API round trip
+        for registration, pinned in self.held:
             if registration in finished:
-                pins.unpin(pin)
+                self._unpin(pinned)
+        self.held = [(registration, pinned) for registration, pinned in self.held if registration not in finished]
 
     def results(self) -> list[Registration]:
         """Every registration, oldest first; raises the first evaluation or registration error."""
         while len(self.backlog):  # training is over: what is still waiting is scored, in order
             self._submit_next()
-        wait([f for pair in self.pending for f in pair[:2]])
+        wait([f for pair in self.pending for f in pair])
         self._unpin_finished()
-        for summary, registration, _ in self.pending:
+        for summary, registration in self.pending:
             summary.result()  # surfaces a failed evaluation as itself, not as an unfinished registration
             self.done.append(registration.result())
         return sorted(self.done, key=lambda r: r.tokens)

@@ -5,9 +5,13 @@ folder, so the trainer's rotation cannot delete it meanwhile. Across filesystems
 another volume) a hard link fails with EXDEV and the pin is a copy instead, written beside the
 pins and renamed into place so a crash never leaves half a pin.
 
-Pins escape keep-last-K, so the queue of pinned checkpoints is bounded: when the gauntlet is
-slower than the checkpoint interval, the oldest waiting checkpoints are skipped (and unpinned),
-each named in a log line, and the newest are scored.
+With the trainer in pods, the flow sees only the s3 mirror: there a pin is a marker object
+`<save folder>/pins/<checkpoint name>` that the trainer's remote keep-last-K leaves alone
+(RemoteFolder.pin/unpin/drop_pins in trainers/remote.py, which the rotation reads too).
+
+Pins escape keep-last-K, so the queue of pinned checkpoints is bounded, local or remote: when the
+gauntlet is slower than the checkpoint interval, the oldest waiting checkpoints are skipped (and
+unpinned), each named in a log line, and the newest are scored.
 """
 
 from __future__ import annotations

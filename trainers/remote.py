@@ -4,16 +4,20 @@ The trainer always works in a local folder with layout.py's names, plan.py's rep
 Composer autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_name>/` in step with it:
 
 - after a checkpoint is published locally, its .pt is uploaded by a background thread (training
-  does not wait), and only once that upload has finished is its manifest uploaded. The remote
+  does not wait), and only once every object of it is up is its manifest uploaded. The remote
   manifest is the remote done-marker: a remote .pt without one is never trusted, exactly as locally.
-  Keep-last-K rotates the remote the same way (manifest first, then the .pt);
+  A failed upload is retried in the background with backoff while training goes on; only the stage's
+  end, which waits for the uploads, gives up on one (a one-line error that names it and the S3 error).
+  Keep-last-K rotates the remote the same way (manifest first, then the .pt), never touching a checkpoint
+  that is pinned (`pins/<name>`: the flow's evaluation pod is reading it) or whose upload is under way;
 - before a launch plans its start point, the run files (stage ledger, rollback records) are
   pulled, local complete checkpoints the remote lacks are uploaded (a kill between the local
   publish and the upload), and the checkpoint this launch starts from is downloaded when the
   local folder lacks it (a new node, a wiped work_dir). Autoresume then proceeds locally.
 
 Object names mirror the local ones: `<run>-s<K>-tok<T>-rank0.pt`, `manifests/tok-<T>.json`
-(whose `path` is the object's s3:// URI), `<run>-stages.json`, `<run>-rollbacks.json`.
+(whose `path` is the object's s3:// URI), `<run>-stages.json`, `<run>-rollbacks.json`; and
+`pins/<checkpoint name>`, the flow's markers (tasks/gauntlet_queue.py).
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainers import heartbeat
 from trainers.config import Stage, TrainJob
-from trainers.exit_codes import FatalError, RetryableError
+from trainers.exit_codes import FatalError, InfrastructureError, RetryableError
 from trainers.format import checkpoints
 from trainers.format.atomic import CutShort, atomic_write_json, read_json
 from trainers.format.checkpoints import CheckpointInfo, is_intact
@@ -39,14 +46,45 @@ log = logging.getLogger("tessera.remote")
 
 DONE = "_DONE"  # the data root's done-marker (tasks/data/outputs.py)
 STAGING_DIR = ".uploading"  # hard links of checkpoints being uploaded; what a kill leaves there is dropped
+PINS_DIR = "pins"  # `pins/<checkpoint name>`: a checkpoint an evaluation reads, which keep-last-K leaves alone
+# A failed upload's backoff: doubling from a second (a blip) up to a minute (an outage: one try a minute is cheap).
+FIRST_RETRY_S, LAST_RETRY_S = 1.0, 60.0
 
 
 def _manifest_name(tokens: int) -> str:
     return checkpoints.manifest_path("", tokens).as_posix()
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class _Stopped(Exception):
+    """close() (or a stage that gave up waiting) ended the retries of an upload."""
+
+
+@dataclass(eq=False)
+class _Upload:
+    """One checkpoint on its way to the mirror: what is left to upload, and how its attempts went."""
+
+    info: CheckpointInfo
+    publish: bool  # whether this process puts its manifest up (rank 0), or only its node's shards
+    keep: int | None
+    left: list[tuple[str, Path]]  # (object name, staged hard link) not up yet; a retry resumes here
+    attempts: int = 0  # failed attempts so far
+    error: str | None = None  # the last attempt's failure, while the next one waits its turn
+    waiting_for_shards: bool = False  # every local object is up; the other nodes' are not all there yet
+    up: bool = False  # every object, and the manifest when this process publishes it
+    future: Future | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.info.path).name
+
+
 class RemoteFolder:
-    """The s3:// mirror of one run's checkpoint folder. Rank 0 only."""
+    """The s3:// mirror of one run's checkpoint folder. Rank 0 only (and the flow, which reads it and pins)."""
 
     def __init__(self, uri: str):
         from composer.utils import parse_uri
@@ -59,8 +97,11 @@ class RemoteFolder:
         self.bucket, self.prefix = bucket, path.strip("/")
         self.store = S3ObjectStore(bucket=bucket, prefix=self.prefix)
         self._uploader = None
-        # (upload future, info, whether this process publishes its manifest), in save order
-        self._pending: list[tuple[object, CheckpointInfo, bool]] = []
+        self._stop = threading.Event()
+        self._pending: list[_Upload] = []  # in save order; the one worker thread takes them in that order
+        # Manifests already read, by object name: (ETag, what it says). A manifest is written once, whole,
+        # and only deleted on retire, so a poll of the folder GETs only the ones it has not seen.
+        self._manifests: dict[str, tuple[str, CheckpointInfo]] = {}
 
     @classmethod
     def for_job(cls, job: TrainJob) -> RemoteFolder | None:
@@ -68,23 +109,36 @@ class RemoteFolder:
 
     # ------------------------------------------------------------ plumbing
 
-    def _names(self, sub: str = "") -> set[str]:
-        """Object names (relative to the folder) under `sub`; the first call also checks the bucket."""
+    def _listing(self, sub: str = "") -> dict[str, str]:
+        """{object name (relative to the folder): ETag} under `sub`, every page of it; the first call also checks
+        the bucket."""
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        pages = self.store.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.store.get_key(sub)
+        )
         try:
-            keys = self.store.list_objects(sub)
+            return {o["Key"][cut:]: o.get("ETag", "") for page in pages for o in page.get("Contents", [])}
         except Exception as exc:
             text = str(exc)
             if "NoSuchBucket" in text or "does not exist" in text:
                 raise FatalError(f"train.save_folder: {self.uri}: bucket {self.bucket!r} does not exist") from None
             raise RetryableError(f"train.save_folder: {self.uri}: cannot list objects: {text}") from exc
-        cut = len(self.prefix) + 1 if self.prefix else 0
-        return {k[cut:] for k in keys}
+
+    def _names(self, sub: str = "") -> set[str]:
+        """Object names (relative to the folder) under `sub`."""
+        return set(self._listing(sub))
 
     def _get_text(self, name: str) -> str:
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / "obj"
-            self.store.download_object(name, str(local))
-            return local.read_text()
+        """One GET (FileNotFoundError if the object is gone)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            reply = self.store.client.get_object(Bucket=self.bucket, Key=self.store.get_key(name))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileNotFoundError(f"{self.uri}/{name}") from None
+            raise
+        return reply["Body"].read().decode()
 
     def _put_text(self, name: str, text: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -113,19 +167,37 @@ class RemoteFolder:
         if len(remote) > len(mine):
             atomic_write_json(local, remote, indent=1)
 
-    def push_file(self, local: Path) -> None:
-        self.store.upload_object(local.name, str(local))
+    def push_file(self, local: Path, best_effort: bool = False) -> None:
+        """Upload a run file whole. `best_effort` (the time ledger, pushed whole again with its next record): a
+        failure is a line in the log, never the launch's end. The stage ledger and the rollback records must
+        reach the mirror before the launch goes on, so theirs raise."""
+        try:
+            self.store.upload_object(local.name, str(local))
+        except Exception as exc:
+            if not best_effort:
+                raise
+            log.warning("cannot push %s to %s (its next push carries it): %s", local.name, self.uri, _one_line(exc))
 
     # ------------------------------------------------------------ checkpoints
 
     def complete(self) -> list[CheckpointInfo]:
-        """Checkpoints whose manifest is in the remote folder, oldest first."""
-        names = self._names(checkpoints.MANIFEST_DIR + "/")
-        found = []
-        for name in names:
-            if name.endswith(".json") and Path(name).name.startswith("tok-"):
-                found.append(CheckpointInfo.model_validate_json(self._get_text(name)))
-        return sorted(found, key=lambda c: c.tokens)
+        """Checkpoints whose manifest is in the remote folder, oldest first: one LIST, and a GET of each manifest
+        not read before."""
+        listed = {
+            name: etag
+            for name, etag in self._listing(checkpoints.MANIFEST_DIR + "/").items()
+            if name.endswith(".json") and Path(name).name.startswith("tok-")
+        }
+        known = {name: seen for name, seen in self._manifests.items() if listed.get(name) == seen[0]}
+        for name, etag in listed.items():
+            if name in known:
+                continue
+            try:
+                known[name] = (etag, CheckpointInfo.model_validate_json(self._get_text(name)))
+            except FileNotFoundError:  # retired between the LIST and the GET
+                continue
+        self._manifests = known
+        return sorted((info for _, info in known.values()), key=lambda c: c.tokens)
 
     def upload_now(self, info: CheckpointInfo) -> None:
         """Blocking upload of a local complete checkpoint: the .pt (or the folder's files), then its manifest.
@@ -189,12 +261,23 @@ class RemoteFolder:
         there = self._names(f"{Path(info.path).name}/")
         return all(name in there for name, _ in _objects(info))
 
-    def upload_async(self, info: CheckpointInfo, written_by: set[int] | None = None, publish: bool = True) -> None:
-        """Start uploading a just-published checkpoint; poll() uploads its manifest once the .pt is up.
+    def upload_async(
+        self,
+        info: CheckpointInfo,
+        written_by: set[int] | None = None,
+        publish: bool = True,
+        keep: int | None = None,
+    ) -> None:
+        """Start uploading a just-published checkpoint; its manifest goes up once every object of it is up, and
+        then the mirror keeps its last `keep`.
 
         Sharded, on several nodes: each node's first rank uploads the files its node's ranks wrote
         (`written_by`: their global ranks), and global rank 0 (`publish`) puts the manifest up once every
         file of the folder is in the mirror, its own and the other nodes'.
+
+        A failed attempt (boto3 has already retried it) is logged and tried again, from the object it failed on,
+        after a backoff that doubles from FIRST_RETRY_S up to LAST_RETRY_S; training never waits for it. Only
+        poll(block=True) at the stage's end gives up on it.
 
         A thread, not Composer's RemoteUploader: its spawned worker processes outlive a SIGKILLed
         trainer (holding its pipes and the staged copy), and each costs a Composer import at start.
@@ -202,8 +285,6 @@ class RemoteFolder:
         hard-linked into `.uploading/` first, so keep-last-K may delete the published name meanwhile.
         """
         if self._uploader is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-upload")
         staged = []
         for name, source in _objects(info, written_by):
@@ -212,61 +293,162 @@ class RemoteFolder:
             link.unlink(missing_ok=True)
             os.link(source, link)
             staged.append((name, link))
+        upload = _Upload(info, publish, keep, staged)
+        upload.future = self._uploader.submit(self._mirror, upload)
+        self._pending.append(upload)
 
-        def upload() -> None:
-            for name, link in staged:
-                self.store.upload_object(name, str(link))
-                link.unlink(missing_ok=True)
+    def _mirror(self, upload: _Upload) -> None:
+        """The worker thread: one checkpoint up, its attempts retried with backoff until it is, or until stopped."""
+        delay = FIRST_RETRY_S
+        while True:
+            try:
+                self._mirror_once(upload)
+                upload.up = True
+                break
+            except _Stopped:
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure of an attempt is retried; the stage's end decides
+                upload.attempts += 1
+                upload.error = _one_line(exc)
+                log.warning(
+                    "upload of %s (%d tokens) to %s failed (attempt %d), retrying in %.0f s: %s",
+                    upload.name,
+                    upload.info.tokens,
+                    self.uri,
+                    upload.attempts,
+                    delay,
+                    upload.error,
+                )
+                if self._stop.wait(delay):
+                    return
+                delay = min(2 * delay, LAST_RETRY_S)
+        if upload.attempts:
+            log.info("%s is up after %d failed attempt(s)", upload.name, upload.attempts)
+        if upload.publish:
+            try:
+                self.keep_last(upload.keep)
+            except Exception as exc:  # noqa: BLE001 - the next checkpoint's rotation catches up
+                log.warning(
+                    "keep-last-K in %s failed (the next checkpoint's tries again): %s", self.uri, _one_line(exc)
+                )
 
-        self._pending.append((self._uploader.submit(upload), info, publish))
+    def _mirror_once(self, upload: _Upload) -> None:
+        upload.error = None
+        while upload.left:
+            name, link = upload.left[0]
+            self.store.upload_object(name, str(link))
+            link.unlink(missing_ok=True)
+            upload.left.pop(0)
+        if not upload.publish:
+            return
+        # The manifest is the remote done-marker: only once every object it names is up, the other nodes' too.
+        while not self._all_up(upload.info):
+            upload.waiting_for_shards = True
+            if self._stop.wait(1):
+                raise _Stopped
+        upload.waiting_for_shards = False
+        self._put_manifest(upload.info)
 
     def pending_bytes(self) -> int:
         """What is still to upload, for the watchdog's budget of the stage's last uploads."""
-        return sum(info.size for _, info, _ in self._pending)
+        return sum(upload.info.size for upload in self._pending)
 
-    def poll(self, keep: int | None, block: bool = False, wait_s: float = 3600) -> None:
-        """Publish remote manifests for finished uploads, in save order; raise an upload's error.
+    def poll(self, block: bool = False, wait_s: float = 3600) -> None:
+        """Forget the checkpoints that are up. With `block` (the stage's end), wait until all are; after `wait_s`,
+        one still failing (or a sharded one whose other nodes' files never arrived) ends the launch in one line.
 
-        A sharded checkpoint's manifest also waits for the other nodes' files to appear in the mirror;
-        `block` waits for them up to `wait_s` (the watchdog's upload budget bounds the stage's end anyway).
+        An upload that is still moving bytes without error is waited for past `wait_s`: the watchdog's upload
+        budget, sized by the pending bytes, bounds that.
         """
         deadline = time.monotonic() + wait_s
-        while self._pending:
-            future, info, publish = self._pending[0]
-            if not block and not future.done():
+        while True:
+            self._pending = [u for u in self._pending if not u.future.done()]
+            if not self._pending or not block:
                 return
-            future.result()  # re-raises a failed upload (boto3 has already retried transient errors)
-            if publish:
-                while not self._all_up(info):
-                    if not block:
-                        return
-                    if time.monotonic() > deadline:
-                        raise RetryableError(f"{self.uri}: the other nodes' shards of {info.path} never arrived")
-                    time.sleep(1)
-                self._put_manifest(info)
-            self._pending.pop(0)
-            if publish:
-                self.keep_last(keep)
+            head = self._pending[0]
+            if time.monotonic() > deadline and (head.error is not None or head.waiting_for_shards):
+                self._stop.set()  # no retry outlives the launch
+                if head.error is None:
+                    raise RetryableError(f"{self.uri}: the other nodes' shards of {head.name} never arrived")
+                raise InfrastructureError(
+                    f"{self.uri}: checkpoint {head.name} ({head.info.tokens} tokens) is still not uploaded after "
+                    f"{head.attempts} attempts in {wait_s:.0f} s at the stage's end: {head.error}"
+                )
+            wait([head.future], timeout=1)
 
-    def retire(self, info: CheckpointInfo) -> None:
-        """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py)."""
+    # ------------------------------------------------------------ pins: checkpoints an evaluation is reading
+
+    def pin(self, info: CheckpointInfo) -> bool:
+        """Hold a complete checkpoint against keep_last while an evaluation reads it (the flow, on Kubernetes);
+        False if it was retired first.
+
+        The pin is written before the manifest is looked at, and retire() looks for a pin after it has deleted the
+        manifest: whichever comes first, either this sees no manifest (and drops its pin) or retire sees the pin
+        (and puts the manifest back), so a pinned checkpoint's files are never deleted.
+        """
+        name = Path(info.path).name
+        self._put_text(f"{PINS_DIR}/{name}", f"{info.tokens}\n")
+        if _manifest_name(info.tokens) in self._names(_manifest_name(info.tokens)):
+            return True
+        self.unpin(name)
+        return False
+
+    def unpin(self, name: str) -> None:
+        self._delete(f"{PINS_DIR}/{name}")
+
+    def pinned(self) -> set[str]:
+        """Names of the pinned checkpoints."""
+        return {name.removeprefix(f"{PINS_DIR}/") for name in self._names(f"{PINS_DIR}/")}
+
+    def drop_pins(self) -> list[str]:
+        """Every pin, deleted; their names. For a flow that starts: one flow runs per run name, so any pin there
+        is a crashed flow's."""
+        stale = sorted(self.pinned())
+        for name in stale:
+            self.unpin(name)
+        return stale
+
+    # ------------------------------------------------------------ rotation
+
+    def retire(self, info: CheckpointInfo) -> bool:
+        """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py). A
+        checkpoint pinned meanwhile keeps its files and gets its manifest back (pin() says why); False then."""
+        name = Path(info.path).name
         self._delete(_manifest_name(info.tokens))
+        self._manifests.pop(_manifest_name(info.tokens), None)
+        if f"{PINS_DIR}/{name}" in self._names(f"{PINS_DIR}/{name}"):
+            self._put_text(_manifest_name(info.tokens), info.model_dump_json())
+            return False
         if info.sharded:
             for entry in info.files:
-                self._delete(f"{Path(info.path).name}/{entry.name}")
+                self._delete(f"{name}/{entry.name}")
         else:
-            self._delete(Path(info.path).name)
+            self._delete(name)
+        return True
 
     def keep_last(self, keep: int | None) -> None:
+        """Retire all but the newest `keep` complete checkpoints in the mirror, except the pinned ones and any
+        whose upload is under way here (a checkpoint re-saved at the same tokens after a rollback)."""
         if keep is None:
             return
+        held = self.pinned() | {u.name for u in list(self._pending) if not u.future.done()}
         for old in self.complete()[:-keep]:
-            self.retire(old)
+            if Path(old.path).name not in held:
+                self.retire(old)
 
     def close(self) -> None:
-        if self._uploader is not None:
-            self._uploader.shutdown(wait=True)
-            self._uploader = None
+        """Stop retrying; what is not up is named in the log (the next launch uploads the local complete
+        checkpoints the mirror lacks)."""
+        if self._uploader is None:
+            return
+        self._stop.set()
+        self._uploader.shutdown(wait=True, cancel_futures=True)
+        self._uploader = None
+        self._stop.clear()
+        for upload in self._pending:
+            if not upload.up:
+                log.warning("%s was not mirrored to %s before the launch ended", upload.name, self.uri)
+        self._pending = []
 
 
 def _objects(info: CheckpointInfo, written_by: set[int] | None = None) -> list[tuple[str, Path]]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from composer.callbacks import CheckpointSaver
 from composer.core import Event, State
@@ -60,6 +62,9 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.run_folder = RunFolder.of(job)  # not self.folder: Composer keeps its folder string there
         self.run_stage = job.stage(stage_index)
         self.keep_last_k = job.train.keep_checkpoints
+        # How long the stage's end waits for uploads that keep failing before it gives up in one line: inside the
+        # watchdog's budget for it (upload_s plus the bytes' time), so the line, not a watchdog kill, says why.
+        self.upload_wait_s = 0.8 * job.train.watchdog.upload_s
         # Rank 0 mirrors the run (manifests, rotation); with sharded checkpoints the first rank of every other
         # node uploads what its node's ranks wrote, which may be on its disk only.
         self.remote = RemoteFolder.for_job(job) if os.environ.get("LOCAL_RANK", "0") == "0" else None
@@ -120,7 +125,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         self.run_folder.point_latest(self.run_stage.index, path)
         maybe_fault("published", tokens)
         if self.remote is not None:
-            self.remote.upload_async(info, written_by=_node_ranks() if info.sharded else None)
+            self.remote.upload_async(info, written_by=_node_ranks() if info.sharded else None, keep=self.keep_last_k)
         self.run_folder.keep_last(self.keep_last_k)
         # Where this launch's time went, up to a checkpoint that stays (the goodput ledger reads it)
         self._record_time(tokens, final=False)
@@ -147,20 +152,25 @@ class PublishingCheckpointSaver(CheckpointSaver):
     def batch_end(self, state: State, logger: Logger) -> None:
         super().batch_end(state, logger)
         if self.remote is not None:
-            self.remote.poll(self.keep_last_k)  # on another node's first rank: reaps its uploads, publishes nothing
+            self.remote.poll()  # never waits, never fails: a failed upload is retried in the background
 
     def fit_end(self, state: State, logger: Logger) -> None:
         super().fit_end(state, logger)
         if self.remote is not None:  # the stage is done only when its checkpoints are up
             heartbeat.phase("upload", hint_bytes=self.remote.pending_bytes())
-            self.remote.poll(self.keep_last_k, block=True)
+            self.remote.poll(block=True, wait_s=self.upload_wait_s)
             heartbeat.phase("close")
         if dist.get_global_rank() == 0:
             self._record_time(int(state.timestamp.token.value), final=True)
 
     def _record_time(self, tokens: int, final: bool) -> None:
         folder = self.run_folder
-        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, self.remote)
+        # Pushed whole with each record: one that fails in an object store outage is carried by the next, and
+        # never stops training (the checkpoints' own uploads are retried in the background).
+        remote = (
+            None if self.remote is None else SimpleNamespace(push_file=partial(self.remote.push_file, best_effort=True))
+        )
+        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, remote)
 
     def post_close(self) -> None:
         super().post_close()
