@@ -125,6 +125,11 @@ class KubernetesJob:
         return self._log.tail(lines, max_bytes)
 
     @property
+    def restarts_spent(self) -> bool:
+        """The group failed after its in-cluster restarts (compute.kubernetes.max_restarts): no task retry on top."""
+        return self._outcome is not None and self._outcome.restarts_spent
+
+    @property
     def lost(self) -> bool:
         """The launcher lost the API, not the group: it may still be training, and is left for the retry to adopt."""
         return self._outcome is not None and self._outcome.lost

@@ -42,6 +42,9 @@ class Outcome:
     cause: Cause
     message: str
     lost: bool = False  # the API was lost, not the group: it may still run, and must not be deleted blind
+    # The group failed after the cluster restarted it compute.kubernetes.max_restarts times: that budget counted
+    # these application failures, so the training task must not spend its own retries on them too.
+    restarts_spent: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from infra.config import ComputeConfig, KubernetesConfig
 from infra.kube_api import Kube, KubeError
@@ -229,7 +230,8 @@ class GroupWatch:
             return Outcome(0, "done", f"{self._what()} completed")
         failed = condition(js, "Failed")
         if failed:
-            return explain_end(self._attempt_failures(), self._what(), failed)
+            outcome = explain_end(self._attempt_failures(), self._what(), failed)
+            return replace(outcome, restarts_spent=outcome.cause == "failure")
         if self.preemptions > self.compute.max_preemptions:
             return Outcome(
                 INTERRUPTED,
@@ -265,6 +267,8 @@ class GroupWatch:
         elif outcome.cause == "failure" and self.restarts < self.cfg.max_restarts:
             self.restarts += 1
         else:
+            if outcome.cause == "failure":
+                return replace(outcome, restarts_spent=True)
             if outcome.cause == "disruption":
                 return Outcome(
                     outcome.code,

@@ -389,7 +389,8 @@ def test_indexed_job_gives_up_after_max_restarts(api, tmp_path):
     sim = Cluster(scenario, api.cluster)
     sim.start()
     job = _launch(tmp_path, raw)
-    assert job.wait(timeout=60) == 75  # failed: the task's Prefect retries take over
+    assert job.wait(timeout=60) == 75
+    assert job.restarts_spent  # max_restarts recreations counted these failures: no task retry on top
     sim.join()
     assert _end(job, api).endswith("container trainer exited 75")
 
@@ -410,9 +411,10 @@ def test_jobset_restarts_exhausted_on_application_failures(api, tmp_path):
     sim = Cluster(scenario, api.cluster)
     sim.start()
     job = _launch(tmp_path, GPU_TWO_NODES)
-    assert job.wait(timeout=60) == 1  # failed: the task's Prefect retries take over
+    assert job.wait(timeout=60) == 1
     sim.join()
     assert job.restarts == 4
+    assert job.restarts_spent  # the cluster's budget counted these: the task raises RestartsSpent, no retry
     assert "restarted the whole group (restart 4: 4 of max_restarts=4 counted, 0 disruptions)" in job.tail()
     assert _end(job, api).endswith("container trainer exited 1")
 
@@ -444,6 +446,7 @@ def test_image_pull_backoff_past_its_timeout_is_retryable(api, tmp_path):
     sim.start()
     job = _launch(tmp_path, raw)
     assert job.wait(timeout=60) == 75
+    assert not job.restarts_spent  # not an application failure: the task's retry is what relaunches it
     sim.join()
     assert "not pulled in 2s: ImagePullBackOff: Back-off pulling image" in _end(job, api)
 
