@@ -372,19 +372,24 @@ def deliver_metrics(job: TrainJob) -> int:
     """After the last stage: deliver the trainer's metrics that a tracking outage held back; returns rows left.
 
     Each launch delivers what an earlier one left, but after the last stage no launch follows, so
-    the flow does it, within the trainer's own bounded wait.
+    the flow does it, within the trainer's own bounded wait. With an s3 save folder the journal that
+    counts is the trainer's copy there (a pod's disk is gone, and the flow never sees it): it is
+    restored into the flow's working copy of the save folder first, and what is left is written back.
     """
-    from trainers.metrics_outbox import deliver_pending
+    from trainers.metrics_outbox import deliver_pending, remote_copy
 
     if job.mlflow is None:
         return 0
-    left = deliver_pending(job.mlflow, job.save_folder, job.run_name)
+    copy = remote_copy(job)
+    if copy is not None:
+        Path(job.save_folder).mkdir(parents=True, exist_ok=True)
+    left = deliver_pending(job.mlflow, job.save_folder, job.run_name, copy=copy)
     if left:
         get_run_logger().warning(
             "%d metric rows of run %s could not reach MLflow yet; they stay in %s and the next "
             "launch of this run delivers them",
             left,
             job.run_name,
-            job.save_folder,
+            copy.uri if copy is not None else job.save_folder,
         )
     return left

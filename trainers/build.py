@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from trainers.faults import Probe, maybe_stall
 from trainers.format.mlflow_model import download_model
 from trainers.format.safe_load import refusal
 from trainers.layout import RunFolder
+from trainers.metrics_outbox import RemoteCopy, remote_copy
 from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.progress import format_start
@@ -239,7 +241,7 @@ def _verify_data(job: TrainJob, stage_index: int) -> None:
     streams = {name: stage.streams[name] for name in stage.config.mixture}
     streams |= {f"{name} (val)": path for name, path in job.val_streams.items()} if job.train.val_batches else {}
     started = time.monotonic()
-    verify_streams(streams, cache_dir_for)
+    verify_streams(streams, functools.partial(cache_dir_for, run=job.run_name))
     log.info("prepared data verified: %d stream(s) in %.1fs", len(streams), time.monotonic() - started)
 
 
@@ -279,12 +281,17 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
     stage = job.stage(stage_index)
     plan, skip = _start(job, stage_index)
+    copy = remote_copy(job) if world()[0] == 0 else None  # global rank 0 alone sends metrics
+    if copy is not None:
+        # A fresh pod's disk has no journal or marker: before anything reads them, and before a finished
+        # stage's launch delivers what the journal holds.
+        copy.restore(job.save_folder, job.run_name)
     if plan.tokens >= stage.end:
         log.info("stage %s is already complete", stage.name)
         return None
     checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
     hf_model, model, init_source = _model(job, plan)
-    callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip)
+    callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip, copy)
     if checked is not None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
@@ -397,12 +404,14 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
 
         local = job.tokenizer_dir
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
-            local = str(fetch_folder(local, cache_dir_for(local)))
+            local = str(fetch_folder(local, cache_dir_for(local, job.run_name)))
         tokenizer = AutoTokenizer.from_pretrained(local)
     return hf_model, _wrap(hf_model, tokenizer), init_source
 
 
-def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> tuple[list, MlflowMetrics, RestoreRng]:
+def _callbacks(
+    job: TrainJob, stage_index: int, plan: StartPlan, skip: int, copy: RemoteCopy | None
+) -> tuple[list, MlflowMetrics, RestoreRng]:
     """The callbacks in the order they must run, and the two build_trainer talks to after the Trainer exists."""
     stage = job.stage(stage_index)
     schedule = GlobalLRSchedule(job.train, stage.tokens_per_batch)
@@ -419,6 +428,7 @@ def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> t
         run_name=job.run_name,
         # After a rollback the re-trained steps see other data: their metrics differ and are logged again.
         relog=bool(skip),
+        copy=copy,
     )
     saver = PublishingCheckpointSaver(job, stage_index)
     rng = RestoreRng()
@@ -440,10 +450,10 @@ def _callbacks(job: TrainJob, stage_index: int, plan: StartPlan, skip: int) -> t
 def _data_args(job: TrainJob, stage: Stage) -> dict:
     """The Trainer's data: the stage's mixture, and the held-out batches scored before each checkpoint."""
     _, world_size = world()
-    train = build_stage_data(stage, job.train, world_size)
+    train = build_stage_data(stage, job.train, world_size, run=job.run_name)
     # Scored at BATCH_END, before the checkpoint event: each saved checkpoint has its val loss.
     due = checkpoint_due(job.checkpoint_every_tokens, stage, Event.BATCH_END)
-    evaluators = build_val_evaluators(job.val_streams, job.seq_len, job.train, world_size, due)
+    evaluators = build_val_evaluators(job.val_streams, job.seq_len, job.train, world_size, due, run=job.run_name)
     return {"train_dataloader": train, "eval_dataloader": evaluators or None}
 
 

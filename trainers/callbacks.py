@@ -16,7 +16,7 @@ from composer.utils import dist
 from trainers import heartbeat
 from trainers.config import LossGuardConfig, MlflowTarget
 from trainers.exit_codes import LossAnomaly
-from trainers.metrics_outbox import Outbox, close_wait_s, marker_path, read_marker
+from trainers.metrics_outbox import Outbox, RemoteCopy, close_wait_s, marker_path, read_marker
 from trainers.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, format_progress
 
 # A failed launch's own wait for MLflow, before its relaunch (which delivers the journal first).
@@ -33,6 +33,9 @@ class MlflowMetrics(Callback):
     kill -9 loses no metric of a step that the relaunch will not re-train, whether or not the
     server was up. At the end of the stage it waits up to TESSERA_METRICS_CLOSE_WAIT_S (default
     120 s) for delivery; what is left stays journaled for the next launch, and the stage succeeds.
+    With an s3 save folder (`copy`), the journal and marker are also kept there: the save folder
+    here is then a pod's scratch disk, and the caller restores the copy onto it before this reads
+    the marker.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class MlflowMetrics(Callback):
         state_folder: Path | None = None,
         run_name: str = "",
         relog: bool = False,
+        copy: RemoteCopy | None = None,
     ):
         self.target = target
         self.lr_source = lr_source
@@ -62,6 +66,7 @@ class MlflowMetrics(Callback):
         # sent, since nothing sent could be accounted for across a kill.
         self.state_folder = state_folder
         self.run_name = run_name
+        self.copy = copy
         # Steps up to `logged_until` were journaled or logged by an earlier launch of this run that was
         # killed afterwards: the relaunch re-trains them bit for bit and must not log them a second time.
         marker = marker_path(state_folder, run_name) if state_folder is not None else None
@@ -79,7 +84,7 @@ class MlflowMetrics(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0 or self.target is None or self.state_folder is None:
             return
-        self.outbox = Outbox(self.target, self.state_folder, self.run_name, self.logged_until)
+        self.outbox = Outbox(self.target, self.state_folder, self.run_name, self.logged_until, self.copy)
         self.outbox.put(None, tags={f"stage/{self.stage_name}/start_tokens": str(self.stage_start), **self.start_tags})
         if self.launch_row is not None:
             self.outbox.put(*self.launch_row)
@@ -124,7 +129,8 @@ class MlflowMetrics(Callback):
         self.outbox.put(tokens, row)
         if checkpoint:
             # The step is about to be checkpointed: after a kill the relaunch starts past it and would
-            # never record it again, so it must be on disk now (local disk: a dead server cannot stall it).
+            # never record it again, so it must be on disk now (local disk, and the s3 copy when the disk is a
+            # pod's: a dead tracking server cannot stall either).
             self.outbox.persist()
         if checkpoint or time.monotonic() - self._last_flush > self.flush_every_s:
             self.flush()

@@ -115,19 +115,25 @@ class VerifiedStream(Stream):
             raise damage from None
 
 
-def _stream(path: str, proportion: float | None = None, source: str = "") -> Stream:
+def _stream(path: str, run: str, proportion: float | None = None, source: str = "") -> Stream:
     """A local MDS directory is read in place (trainers/data_check.py verified it); a remote one (s3://...) is
     cached under $TESSERA_CACHE_DIR, each download validated."""
     if "://" not in path:
         return Stream(local=path, proportion=proportion)
-    return VerifiedStream(source=source, remote=path, local=str(cache_dir_for(path)), proportion=proportion)
+    return VerifiedStream(source=source, remote=path, local=str(cache_dir_for(path, run)), proportion=proportion)
 
 
-def cache_dir_for(uri: str) -> Path:
-    """This node's local copy of a remote folder: under $TESSERA_CACHE_DIR (on Kubernetes, the cache
-    volume), else the temp dir."""
+def cache_dir_for(uri: str, run: str) -> Path:
+    """This node's local copy of a remote folder for run `run`: under $TESSERA_CACHE_DIR (on Kubernetes, the
+    cache volume), else the temp dir.
+
+    Keyed on the run too: Streaming refuses a local directory that a live dataset of another process already
+    caches a remote in ("Reused local directory"), so two runs on one host reading one prefix each need their
+    own. Not on the stage: a run's stages never read at once (one live trainer per run). Deterministic, so a
+    relaunch of the run finds what it cached before.
+    """
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path(tempfile.gettempdir()) / "tessera-streams")
-    return root / hashlib.sha1(uri.encode()).hexdigest()[:16]
+    return root / hashlib.sha1(f"{run}\n{uri}".encode()).hexdigest()[:16]
 
 
 def _cache_limit(train: TrainConfig, paths: list[str]) -> str | None:
@@ -136,8 +142,8 @@ def _cache_limit(train: TrainConfig, paths: list[str]) -> str | None:
     return train.stream_cache_limit if any("://" in p for p in paths) else None
 
 
-def build_stage_data(stage: Stage, train: TrainConfig, world_size: int) -> DataSpec:
-    """The train DataSpec of one stage, for one rank of `world_size`."""
+def build_stage_data(stage: Stage, train: TrainConfig, world_size: int, run: str = "") -> DataSpec:
+    """The train DataSpec of one stage, for one rank of `world_size`; remote data is cached for run `run`."""
     if stage.batch_size % world_size:
         raise ValueError(
             f"stage {stage.name!r}: global batch size {stage.batch_size} is not divisible by the process count "
@@ -146,7 +152,7 @@ def build_stage_data(stage: Stage, train: TrainConfig, world_size: int) -> DataS
     device_batch = stage.batch_size // world_size
     # Sorted, so the stream order (and hence the global sample index space) does not depend on dict order.
     mixture = stage.config.mixture
-    streams = [_stream(stage.streams[name], p, name) for name, p in sorted(mixture.items())]
+    streams = [_stream(stage.streams[name], run, p, name) for name, p in sorted(mixture.items())]
     dataset = TokenSamples(
         seq_len=stage.seq_len,
         streams=streams,
@@ -176,7 +182,7 @@ def _spec(loader: StreamingDataLoader) -> DataSpec:
 
 
 def build_val_evaluators(
-    val_streams: dict[str, str], seq_len: int, train: TrainConfig, world_size: int, due
+    val_streams: dict[str, str], seq_len: int, train: TrainConfig, world_size: int, due, run: str = ""
 ) -> list[Evaluator]:
     """One Composer Evaluator per source with a held-out split: `val/<source>`, scored when `due(state, event)`.
 
@@ -190,7 +196,7 @@ def build_val_evaluators(
     for name, path in sorted(val_streams.items()):
         dataset = TokenSamples(
             seq_len=seq_len,
-            streams=[_stream(path, source=name)],
+            streams=[_stream(path, run, source=name)],
             batch_size=device_batch,
             shuffle=False,
             cache_limit=_cache_limit(train, [path]),

@@ -27,6 +27,18 @@ Journal lines: {"seq": n, "run_id": r, "tokens": t | null, "metrics": [[key, val
 step], ...], "tags": [[key, value], ...]} and {"ack": n} (rows up to seq n delivered or dropped).
 Rows are delivered to the current job's tracking URI, under the run id they were recorded for.
 
+With an s3:// save folder the local folder is a pod's scratch disk, gone with the pod, so the outbox
+also keeps a `RemoteCopy`: one object `<save>/<run>/metrics/<run>-metrics-outbox.json` holding the
+marker and the journal's undelivered rows together (one PUT replaces an object whole, so the two
+never disagree). It is written
+- at every checkpoint boundary (`persist`), after the local fsync and before the checkpoint is saved,
+  so a relaunch that resumes from that checkpoint on a fresh disk finds every row up to it;
+- by the shipper before it sends a row of a step the copy's marker does not yet cover, so a relaunch
+  on a fresh disk never re-records a step that may have reached MLflow;
+- when the outbox closes, so a finished stage leaves the copy as empty as its journal.
+A relaunch restores the copy onto its disk (`RemoteCopy.restore`) before anything reads the marker;
+rows delivered since the last write are sent again from it, and stored once (timestamps, above).
+
 No torch or Composer imports: the flow may deliver a finished run's leftovers with `deliver_pending`
 (holding the run's lease, trainers.folder_lock, so that no trainer writes the journal meanwhile).
 """
@@ -45,8 +57,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainers.config import MlflowTarget
-from trainers.format.atomic import CutShort, atomic_write_json, read_json
+from trainers.config import MlflowTarget, TrainJob
+from trainers.exit_codes import RetryableError
+from trainers.format.atomic import CutShort, atomic_write, atomic_write_json, read_json
+from trainers.remote import RemoteFolder
 
 log = logging.getLogger("tessera.train")
 THREAD_NAME = "tessera-mlflow-outbox"
@@ -96,6 +110,67 @@ def read_marker(path: Path, run_id: str) -> int:
     return int(marker["tokens"]) if marker.get("mlflow_run_id") == run_id else 0
 
 
+def _marker_or_none(path: Path) -> dict | None:
+    try:
+        return read_json(path)
+    except CutShort:  # as read_marker reads it: nothing logged
+        return None
+
+
+class RemoteCopy:
+    """A run's journal and marker as one object in its s3 save folder (see the module docstring)."""
+
+    def __init__(self, remote: RemoteFolder, run_name: str):
+        self.remote = remote
+        self.name = f"metrics/{run_name}-metrics-outbox.json"
+        self.uri = f"{remote.uri}/{self.name}"
+
+    def read(self) -> dict | None:
+        """{"marker": {...} | None, "journal": "<jsonl>"}, or None where no launch wrote one yet."""
+        if self.name not in self.remote._names(self.name):
+            return None
+        return json.loads(self.remote._get_text(self.name))
+
+    def write(self, marker: dict | None, journal: str) -> None:
+        self.remote._put_text(self.name, json.dumps({"marker": marker, "journal": journal}))
+
+    def restore(self, folder: str | Path, run_name: str) -> bool:
+        """Put the copy on this disk where the disk knows less (a fresh pod's knows nothing); True if it did.
+
+        The copy is only ever written from some disk's journal, so a disk whose marker is ahead (or as far,
+        with rows of its own still pending) is the one that wrote it, or wrote more since.
+        """
+        copy = self.read()
+        if copy is None:
+            return False
+        journal, marker = journal_path(folder, run_name), marker_path(folder, run_name)
+        mine = _marker_or_none(marker)
+        local_tokens = int(mine["tokens"]) if mine else -1
+        remote_tokens = int(copy["marker"]["tokens"]) if copy["marker"] else -1
+        behind = remote_tokens > local_tokens or (
+            remote_tokens == local_tokens and bool(copy["journal"]) and not journal.exists()
+        )
+        if not behind:
+            return False
+        # The journal before the marker, as the outbox writes them: a kill between the two leaves this
+        # disk behind the copy, and the next launch restores again.
+        if copy["journal"]:
+            atomic_write(journal, copy["journal"])
+        else:
+            journal.unlink(missing_ok=True)
+        if copy["marker"] is not None:
+            atomic_write_json(marker, copy["marker"])
+        log.info("metrics: restored the journal and marker of %s from %s", run_name, self.uri)
+        return True
+
+
+def remote_copy(job: TrainJob) -> RemoteCopy | None:
+    """The outbox's copy in the job's s3 save folder; None for a local save folder (the journal is safe there)."""
+    if job.mlflow is None or not job.remote_folder:
+        return None
+    return RemoteCopy(RemoteFolder(job.remote_folder), job.run_name)
+
+
 @dataclass
 class _Row:
     run_id: str
@@ -124,13 +199,26 @@ class Outbox:
     """Rows for one MLflow run, delivered in order by a background thread; see the module docstring.
 
     `logged_until` is where the marker stands for this launch (0 when the caller re-logs on
-    purpose, after a rollback); it only moves forward from there.
+    purpose, after a rollback); it only moves forward from there. With `copy`, the journal and the
+    marker are also kept in the s3 save folder.
     """
 
-    def __init__(self, target: MlflowTarget, folder: str | Path, run_name: str, logged_until: int = 0):
+    def __init__(
+        self,
+        target: MlflowTarget,
+        folder: str | Path,
+        run_name: str,
+        logged_until: int = 0,
+        copy: RemoteCopy | None = None,
+    ):
         self.target = target
         self.journal = journal_path(folder, run_name)
         self.marker = marker_path(folder, run_name)
+        self.copy = copy
+        # The marker moved since the copy was written; unknown until this launch first writes it.
+        self._marker_uncopied = copy is not None
+        self._copy_stale = copy is not None  # the journal changed since the copy was written
+        self._copy_failing = False
         self._cond = threading.Condition()  # guards the queue; never held across I/O
         self._io = threading.Lock()  # serialises journal and marker writes (training thread vs shipper)
         self._queue: deque[_Row] = deque()
@@ -145,7 +233,8 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ training thread: memory and local disk only
+    # ------------------------------------------------------------ training thread: memory and local disk (and, at a
+    # checkpoint, one PUT of the remote copy)
 
     def put(
         self, tokens: int | None, metrics: Mapping[str, float] | None = None, tags: Mapping[str, str] | None = None
@@ -169,13 +258,26 @@ class Outbox:
             self._cond.notify_all()
 
     def persist(self) -> None:
-        """Journal every queued row (fsynced) and move the marker: after this a kill loses none of them."""
+        """Journal every queued row (fsynced) and move the marker: after this a kill loses none of them.
+
+        With a remote copy, also one PUT of it (the caller is about to checkpoint, and a relaunch on a fresh
+        disk resumes from that checkpoint); a failed PUT raises RetryableError, since the checkpoint must not
+        become the resume point of a relaunch that cannot find the rows before it.
+        """
         with self._io:
             self._journal_queued()
+            if self._copy_stale:
+                try:
+                    self._write_copy()
+                except Exception as exc:  # noqa: BLE001 - boto3's and the store's errors alike
+                    raise RetryableError(f"metrics: cannot write {self.copy.uri}: {_one_line(exc)}") from exc
 
     def close(self, wait_s: float) -> int:
         """Persist, wait up to wait_s for delivery, stop the shipper; returns the rows left in the journal."""
-        self.persist()
+        try:
+            self.persist()
+        except RetryableError as exc:  # every checkpoint's rows are in the copy already; the rest is re-trained
+            log.warning("%s", exc)
         deadline = time.monotonic() + max(wait_s, 0.0)
         with self._cond:
             self._wake = True
@@ -185,6 +287,7 @@ class Outbox:
             left = len(self._queue)
             self._stopping = True
             self._cond.notify_all()
+        self._final_copy()
         if left:
             # One line, and no join: the thread may sit in an HTTP call for MLFLOW_HTTP_REQUEST_TIMEOUT.
             log.warning(
@@ -198,7 +301,24 @@ class Outbox:
             self._thread.join(timeout=5)
         return left
 
+    def _final_copy(self) -> None:
+        """The remote copy as the journal ends this launch: emptied once everything is in."""
+        with self._io:
+            if not self._copy_stale:
+                return
+            try:
+                self._write_copy()
+            except Exception as exc:  # noqa: BLE001 - it held every row at the last write; they are sent again
+                log.warning("metrics: cannot write %s at the close: %s", self.copy.uri, _one_line(exc))
+
     # ------------------------------------------------------------ journal and marker (callers hold self._io)
+
+    def _write_copy(self) -> None:
+        """One PUT of the marker and the journaled rows not yet delivered (what a relaunch needs of the journal)."""
+        with self._cond:
+            rows = list(itertools.islice(self._queue, self._journaled))
+        self.copy.write(_marker_or_none(self.marker), "".join(row.to_json() + "\n" for row in rows))
+        self._copy_stale = self._marker_uncopied = False
 
     def _journal_queued(self) -> None:
         with self._cond:
@@ -211,10 +331,12 @@ class Outbox:
             os.fsync(f.fileno())
         with self._cond:
             self._journaled += len(rows)
+        self._copy_stale = self.copy is not None
         steps = [r.tokens for r in rows if r.tokens is not None and r.run_id == self.target.run_id]
         if steps and max(steps) > self._accounted:
             self._accounted = max(steps)
             atomic_write_json(self.marker, {"mlflow_run_id": self.target.run_id, "tokens": self._accounted})
+            self._marker_uncopied = self.copy is not None
 
     def _retire(self, chunk: list[_Row]) -> None:
         """The chunk is delivered (or dropped): out of the queue, acked in the journal."""
@@ -225,6 +347,7 @@ class Outbox:
                 self._journaled -= len(chunk)
                 journaled_left = self._journaled
                 self._cond.notify_all()
+            self._copy_stale = self.copy is not None
             if not journaled_left:  # everything the journal holds is in: it has nothing left to say
                 self.journal.unlink(missing_ok=True)
                 return
@@ -287,6 +410,8 @@ class Outbox:
         while not self._stopping:
             with self._io:
                 self._journal_queued()  # write-ahead: nothing is sent that a kill could then lose track of
+                if not self._copy_ahead():
+                    return False
             chunk = self._head_chunk()
             if not chunk:
                 return True
@@ -305,6 +430,26 @@ class Outbox:
             else:
                 self._recovered()
             self._retire(chunk)
+        return True
+
+    def _copy_ahead(self) -> bool:
+        """Write-ahead to the remote copy too: its marker covers every step about to be sent (caller holds _io)."""
+        if not self._marker_uncopied:
+            return True
+        try:
+            self._write_copy()
+        except Exception as exc:  # noqa: BLE001 - the rows wait in the journal; the next try writes it again
+            if not self._copy_failing:
+                self._copy_failing = True
+                log.warning(
+                    "metrics: cannot write %s (%s); rows wait for it before they go to MLflow",
+                    self.copy.uri,
+                    _one_line(exc),
+                )
+            return False
+        if self._copy_failing:
+            self._copy_failing = False
+            log.warning("metrics: %s is written again", self.copy.uri)
         return True
 
     def _head_chunk(self) -> list[_Row]:
@@ -374,9 +519,21 @@ def close_wait_s() -> float:
     return float(os.environ.get(CLOSE_WAIT_ENV, DEFAULT_CLOSE_WAIT_S))
 
 
-def deliver_pending(target: MlflowTarget, folder: str | Path, run_name: str, wait_s: float | None = None) -> int:
-    """Deliver what a run's journal still holds (waiting up to wait_s); returns the rows left in it."""
+def deliver_pending(
+    target: MlflowTarget,
+    folder: str | Path,
+    run_name: str,
+    wait_s: float | None = None,
+    copy: RemoteCopy | None = None,
+) -> int:
+    """Deliver what a run's journal still holds (waiting up to wait_s); returns the rows left in it.
+
+    With `copy` (an s3 save folder), the remote copy is restored into `folder` first where it knows more, and
+    what is left is written back to it.
+    """
+    if copy is not None:
+        copy.restore(folder, run_name)
     if not journal_path(folder, run_name).exists():
         return 0
-    outbox = Outbox(target, folder, run_name, read_marker(marker_path(folder, run_name), target.run_id))
+    outbox = Outbox(target, folder, run_name, read_marker(marker_path(folder, run_name), target.run_id), copy)
     return outbox.close(close_wait_s() if wait_s is None else wait_s)
