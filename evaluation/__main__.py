@@ -10,6 +10,10 @@ what tasks/evaluate.py logs in-process: the metrics with step = tokens, the per-
 JSON and HTML reports. Its last line is `tessera.eval {json}`, the summary the flow's evaluate
 task reads back from the pod's log to make its artifact and the register task's input.
 
+With --report-only it logs nothing and packages nothing: it scores any model spec (a models:/ URI too)
+and its summary line carries the whole GauntletReport under `report` (per-task results and each
+example's outcome, which promotion's paired intervals need), so promotion scores in a pod as well.
+
 Exit codes: 0 done; 78 bad gauntlet input (a retry would fail the same way); 1 anything else.
 """
 
@@ -26,6 +30,7 @@ from pathlib import Path
 from trainers.contract import FATAL
 
 SUMMARY_PREFIX = "tessera.eval"
+BAD_INPUT = "tessera.eval: bad input: "  # what a bad-input exit's one line starts with, on stderr
 # Bad input in the pod (a damaged checkpoint, a missing task file) exits with the trainer's FATAL code, so the
 # Job's FailJob rule and the flow read both pods alike. (The `tessera` CLI's bad-input exit code is 2.)
 EXIT_FATAL = FATAL
@@ -51,9 +56,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--strict", action="store_true", help="A missing task file is an error.")
-    p.add_argument("--tracking-uri", required=True, help="MLflow tracking URI of the training run.")
-    p.add_argument("--run-id", required=True, help="The training run to log into.")
-    p.add_argument("--step", required=True, type=int, help="Tokens seen by the checkpoint (the MLflow step).")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="Where the model is scored (eval.device): auto = the GPU when there is one.",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="Score and print the full report in the summary line; log nothing to a run (promotion's scoring).",
+    )
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI of the training run (and of models:/).")
+    p.add_argument("--run-id", default=None, help="The training run to log into.")
+    p.add_argument("--step", type=int, default=None, help="Tokens seen by the checkpoint (the MLflow step).")
     p.add_argument("--stage", default="", help="Curriculum stage that produced the checkpoint (for the title).")
     p.add_argument(
         "--timestamp-ms",
@@ -79,7 +95,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Also write the scored model as an MLflow Model (transformers flavor) to this s3:// URI, "
         "for registration by reference.",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.report_only:
+        missing = [f"--{k.replace('_', '-')}" for k in ("tracking_uri", "run_id", "step") if getattr(args, k) is None]
+        if missing:
+            p.error(f"the following arguments are required without --report-only: {', '.join(missing)}")
+    elif args.package_to:
+        p.error("--package-to writes beside a training run's checkpoint; --report-only has none")
+    return args
 
 
 def _local_checkpoint(spec: str, into: Path, files: list[dict] | None = None) -> str:
@@ -122,11 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     from evaluation.errors import GauntletError
     from evaluation.identity import gauntlet_hash
     from evaluation.mlflow_report import log_report
-    from evaluation.models import load_model
-    from evaluation.runner import run_gauntlet
 
     cfg = EvalConfig(
-        every=max(1, args.step),
+        every=max(1, args.step or 0),
         tasks=args.tasks,
         gauntlet=args.gauntlet,
         data_root=args.data_root,
@@ -134,24 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len=args.max_seq_len,
         seed=args.seed,
         strict=args.strict,
+        device=args.device,
     )
+    if args.report_only:
+        return _report_only(args, cfg)
     title = f"Gauntlet at {args.step:,} tokens" + (f" (stage {args.stage})" if args.stage else "")
     try:
         with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
-            loaded = load_model(
-                _verified(
-                    _local_checkpoint(args.checkpoint, Path(tmp), json.loads(args.files) if args.files else None), args
-                ),
-                args.tracking_uri,
-            )
-            report = run_gauntlet(
-                loaded.model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
-            )
+            loaded, report = _score(args, cfg, Path(tmp))
             model_uri = _package(loaded.model, loaded.tokenizer, args, Path(tmp)) if args.package_to else None
         stamp = args.timestamp_ms if args.timestamp_ms is not None else int(time.time() * 1000)
         paths = log_report(args.tracking_uri, args.run_id, report, step=args.step, title=title, timestamp_ms=stamp)
     except GauntletError as exc:
-        print(f"tessera.eval: bad input: {exc}", file=sys.stderr, flush=True)
+        print(f"{BAD_INPUT}{exc}", file=sys.stderr, flush=True)
         return EXIT_FATAL
     summary = {
         "tokens": args.step,
@@ -167,6 +183,44 @@ def main(argv: list[str] | None = None) -> int:
         "examples": report.examples,
         "seconds": report.seconds,
         "model_uri": model_uri,
+    }
+    print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
+    return 0
+
+
+def _score(args: argparse.Namespace, cfg, tmp: Path):
+    """(loaded model, its report): the model downloaded and verified first when it is a checkpoint."""
+    from evaluation.models import load_model
+    from evaluation.runner import run_gauntlet
+
+    files = json.loads(args.files) if args.files else None
+    loaded = load_model(_verified(_local_checkpoint(args.checkpoint, tmp, files), args), args.tracking_uri)
+    report = run_gauntlet(
+        loaded.model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
+    )
+    return loaded, report
+
+
+def _report_only(args: argparse.Namespace, cfg) -> int:
+    from dataclasses import asdict
+
+    from evaluation.errors import GauntletError
+    from evaluation.identity import gauntlet_hash
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
+            _, report = _score(args, cfg, Path(tmp))
+    except GauntletError as exc:
+        print(f"{BAD_INPUT}{exc}", file=sys.stderr, flush=True)
+        return EXIT_FATAL
+    summary = {
+        "model": args.checkpoint,
+        "average": report.average,
+        "headline": report.headline,
+        "gauntlet_hash": gauntlet_hash(cfg),
+        "examples": report.examples,
+        "seconds": report.seconds,
+        "report": asdict(report),
     }
     print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
     return 0

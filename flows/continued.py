@@ -8,7 +8,8 @@
    (its last stage's mixture), with a rewarm-then-decay LR schedule, through the same
    `run_pipeline` as `pretrain_pipeline`: the gauntlet every eval.every tokens, registration.
 4. The challenger (this run's best version) and the champion are scored now, on the same gauntlet
-   with the same code and seed, and the recipe's `promote` rule decides (tasks/promote.py).
+   with the same code and seed, and the recipe's `promote` rule decides (tasks/promote.py). With the
+   kubernetes backend each is scored in an evaluation pod, never in the flow's own process.
 """
 
 from __future__ import annotations
@@ -286,6 +287,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
             result.mlflow_run_id,
             challenger,
             continued.data.seq_len,
+            continued.compute,
         )
     # Only now do the files count as consumed: a run that failed before here trains on them again.
     consumed_files.record(

@@ -123,13 +123,16 @@ class SecretRef(_Kube):
     """Credentials held in a Kubernetes Secret of the job's namespace; manifests carry only its name."""
 
     name: str = Field(..., pattern=_DNS_SUBDOMAIN, description="The Secret's name.")
-    keys: dict[str, str] = Field(
+    # `keys` in a recipe; not the attribute's name, which would shadow what Mapping-like code calls (Prefect calls
+    # .keys() on a task's pydantic parameters, and got this dict instead: every task given the config failed)
+    key_map: dict[str, str] = Field(
         default_factory=dict,
+        alias="keys",
         description="Environment variable -> key in the Secret (secretKeyRef each). Empty: every key of the Secret "
         "becomes a variable of the same name (envFrom).",
     )
 
-    @field_validator("keys")
+    @field_validator("key_map")
     @classmethod
     def _env_names(cls, keys: dict[str, str]) -> dict[str, str]:
         bad = [k for k in keys if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]

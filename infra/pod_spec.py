@@ -71,10 +71,10 @@ def _env(cfg: KubernetesConfig, extra: Mapping[str, str]) -> tuple[list[dict], l
     for ref in (cfg.s3_credentials, cfg.mlflow_credentials):
         if ref is None:
             continue
-        if ref.keys:
+        if ref.key_map:
             env += [
                 {"name": var, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": key}}}
-                for var, key in ref.keys.items()
+                for var, key in ref.key_map.items()
             ]
         else:
             env_from.append({"secretRef": {"name": ref.name}})

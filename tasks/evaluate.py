@@ -139,6 +139,8 @@ def pod_args(
         checkpoint.stage,
         "--timestamp-ms",
         str(int(time.time() * 1000)),
+        "--device",
+        cfg.device,
         # the pod has the model loaded: it packages it for registration, so the flow pod never loads it
         "--package-to",
         model_uri_for(checkpoint.path.rsplit("/", 1)[0], checkpoint.tokens),
@@ -152,6 +154,44 @@ def pod_args(
     return args
 
 
+def run_eval_pod(
+    compute: ComputeConfig, args: list[str], *, unit: str, tokens: int, what: str, max_bytes: int = 1 << 20
+) -> list[str]:
+    """`python -m evaluation ARGS` in a one-pod Job through the training launcher, within the limit of pods at once
+    (compute.kubernetes.eval_concurrency); the lines of its log. A bad-input exit raises GauntletError with the
+    pod's own line (never retried), any other failure RuntimeError (retried by the calling task).
+
+    `unit` and `tokens` name the Job (a restarted flow finds a live pod of the same work again) and its log's
+    own folder: two pods at once never write one file, so no flow reads another's summary line."""
+    import tempfile
+
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from evaluation.__main__ import BAD_INPUT, EXIT_FATAL
+    from infra import backend_for
+
+    logger = get_run_logger()
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(EVAL_PODS_LIMIT, compute.kubernetes.eval_concurrency)
+    log_dir = Path(tempfile.gettempdir()) / "tessera-eval" / unit / f"tok-{tokens}"
+    with concurrency(EVAL_PODS_LIMIT, occupy=1, strict=True):
+        job = backend_for(compute).launch_one("evaluation", args, run=unit, tokens=tokens, log_dir=log_dir)
+        logger.info("%s: pod log at %s", what, job.log_path)
+        try:
+            code = job.wait()
+        finally:
+            job.cancel()
+    lines = job.tail(lines=1 << 30, max_bytes=max_bytes).splitlines()
+    if code != 0:
+        logger.error("evaluation pod of %s failed:\n%s", what, "\n".join(lines[-200:]))
+        # the pod's own one line says what was wrong with the input; the launcher's last line only how it ended
+        why = next((x.removeprefix(BAD_INPUT) for x in reversed(lines) if x.startswith(BAD_INPUT)), None)
+        error = GauntletError if code == EXIT_FATAL else RuntimeError
+        raise error(f"{what} exited {code}: {why or (lines[-1] if lines else '')}")
+    return lines
+
+
 def _evaluate_in_pod(
     checkpoint: CheckpointInfo,
     cfg: EvalConfig,
@@ -162,37 +202,20 @@ def _evaluate_in_pod(
     compute: ComputeConfig,
 ) -> EvalSummary:
     """The gauntlet in its own pod, through the training launcher; the pod logs to MLflow, this reads its summary."""
-    import tempfile
-    from pathlib import Path
-
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
-
-    from evaluation.__main__ import EXIT_FATAL, parse_summary
-    from infra import backend_for
+    from evaluation.__main__ import parse_summary
 
     logger = get_run_logger()
-    args = pod_args(checkpoint, cfg, tracking, run_id, max_seq_len)
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(EVAL_PODS_LIMIT, compute.kubernetes.eval_concurrency)
-    log_dir = Path(tempfile.gettempdir()) / "tessera-eval" / (run_name or run_id)
-    with concurrency(EVAL_PODS_LIMIT, occupy=1, strict=True):
-        job = backend_for(compute).launch_one(
-            "evaluation", args, run=run_name or run_id, tokens=checkpoint.tokens, log_dir=log_dir
-        )
-        logger.info("gauntlet of %s: pod log at %s", checkpoint.path, job.log_path)
-        try:
-            code = job.wait()
-        finally:
-            job.cancel()
-    lines = job.tail().splitlines()
-    if code != 0:
-        logger.error("evaluation pod of %s failed:\n%s", checkpoint.path, "\n".join(lines[-200:]))
-        error = GauntletError if code == EXIT_FATAL else RuntimeError
-        raise error(f"evaluation of {checkpoint.path} exited {code}: {lines[-1] if lines else ''}")
+    what = f"evaluation of {checkpoint.path}"
+    lines = run_eval_pod(
+        compute,
+        pod_args(checkpoint, cfg, tracking, run_id, max_seq_len),
+        unit=run_name or run_id,
+        tokens=checkpoint.tokens,
+        what=what,
+    )
     summary = next((s for s in map(parse_summary, reversed(lines)) if s is not None), None)
     if summary is None:
-        raise RuntimeError(f"evaluation pod of {checkpoint.path} ended without its summary line, see {job.log_path}")
+        raise RuntimeError(f"{what} ended without its summary line")
     create_markdown_artifact(
         key=artifact_key(run_name or run_id, "gauntlet", f"tok-{checkpoint.tokens:012d}"),
         markdown=summary["markdown"],

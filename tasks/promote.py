@@ -26,13 +26,14 @@ from prefect.cache_policies import NO_CACHE
 from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
 from evaluation.spec import GauntletSpec
+from infra.config import ComputeConfig
 from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for, resolved_uri, retrying
 from tasks.promote_config import PromoteConfig
 from tasks.promote_lock import promotion_lock
 from tasks.promote_rule import Decision, decide
-from tasks.score import score_model
+from tasks.score import score_in_pod, score_model
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import append_decision, now
 
@@ -280,8 +281,13 @@ def promote_challenger(
     run_id: str,
     challenger: int,
     max_seq_len: int,
+    compute: ComputeConfig | None = None,
 ) -> tuple[Decision | None, int | None]:
-    """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere."""
+    """Score champion and challenger now, on the same gauntlet, decide by the rule, record it everywhere.
+
+    With the kubernetes backend each model is scored in an evaluation pod, as the gauntlet of a checkpoint is:
+    the flow pod has neither the memory nor the accelerator for a model of billions of parameters.
+    """
     from evaluation.compare import render_comparison_html
     from evaluation.report import compare_markdown
     from evaluation.spec import load_gauntlet
@@ -295,7 +301,12 @@ def promote_challenger(
 
     def score(version: str) -> GauntletReport:
         role = "challenger" if version == str(challenger) else "champion"
-        return score_model.with_options(task_run_name=f"score-{role}-v{version}")(f"models:/{name}/{version}", cfg, uri)
+        model, task_name = f"models:/{name}/{version}", f"score-{role}-v{version}"
+        if compute is not None and compute.backend == "kubernetes":
+            # the pod's Job is named by run and version, so a restarted promotion re-attaches to its live pod
+            pod = f"{run_name}-promote-v{version}"
+            return score_in_pod.with_options(task_run_name=task_name)(model, cfg, uri, compute, pod)
+        return score_model.with_options(task_run_name=task_name)(model, cfg, uri)
 
     result = contest(client, name, str(challenger), score, rule, spec, run_name)
     if result is None:

@@ -1,19 +1,25 @@
 """Scoring a model on the gauntlet outside training: `tessera eval`, `tessera compare`, promotion.
 
 `score_model` loads any model tessera can name (a Composer checkpoint, an HF directory, a models:/ URI)
-and runs the gauntlet on it; `write_reports` turns one or two reports into the markdown, the report
-files and, when asked, the metrics of an MLflow run.
+and runs the gauntlet on it in this process; `score_in_pod` does the same in an evaluation pod
+(`python -m evaluation --report-only`), for the kubernetes backend, where the flow never loads a model;
+`write_reports` turns one or two reports into the markdown, the report files and, when asked, the
+metrics of an MLflow run.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from evaluation.config import EvalConfig
+from evaluation.report import GauntletReport
+from infra.config import ComputeConfig
+from tasks.evaluate import retry_unless_bad_input, run_eval_pod
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score-{model}")
@@ -24,6 +30,56 @@ def score_model(model: str, cfg: EvalConfig, tracking_uri: str | None, *, trust:
 
     loaded = load_model(model, tracking_uri, trust=trust)
     return run_gauntlet(loaded.model, loaded.tokenizer, cfg, cfg.max_seq_len or loaded.max_seq_len)
+
+
+def report_pod_args(model: str, cfg: EvalConfig, tracking_uri: str | None) -> list[str]:
+    """`python -m evaluation --report-only`'s arguments: what score_model does in this process, in a pod."""
+    args = ["--report-only", "--checkpoint", model, "--tasks", cfg.tasks, "--data-root", cfg.data_root]
+    args += ["--batch-size", str(cfg.batch_size), "--seed", str(cfg.seed), "--device", cfg.device]
+    args += ["--gauntlet", cfg.gauntlet] if cfg.gauntlet else []
+    args += ["--max-seq-len", str(cfg.max_seq_len)] if cfg.max_seq_len else []
+    args += ["--strict"] if cfg.strict else []
+    args += ["--tracking-uri", tracking_uri] if tracking_uri else []
+    return args
+
+
+# The report carries one character per example scored (its outcomes), so a large gauntlet's summary line can
+# outgrow the 1 MiB a tail reads by default, and a line cut at its start no longer parses.
+_SUMMARY_MAX_BYTES = 64 << 20
+
+
+@task(
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_bad_input,
+    cache_policy=NO_CACHE,
+    task_run_name="score-{model}-in-pod",
+)
+def score_in_pod(
+    model: str, cfg: EvalConfig, tracking_uri: str | None, compute: ComputeConfig, unit: str
+) -> GauntletReport:
+    """Score one model in an evaluation pod, as `_evaluate_in_pod` scores a checkpoint (tasks.evaluate.run_eval_pod:
+    the same launcher, limit on pods at once and failures). `unit` names the pod's Job, so a restarted flow finds
+    the pod of the same model again instead of starting another."""
+    from evaluation.__main__ import parse_summary
+
+    logger = get_run_logger()
+    what = f"scoring {model}"
+    args = report_pod_args(model, cfg, tracking_uri)
+    lines = run_eval_pod(compute, args, unit=unit, tokens=0, what=what, max_bytes=_SUMMARY_MAX_BYTES)
+    summary = next((s for s in map(parse_summary, reversed(lines)) if s is not None and "report" in s), None)
+    if summary is None:
+        raise RuntimeError(f"the evaluation pod {what} ended without its report")
+    report = GauntletReport.from_json(json.dumps(summary["report"]))
+    logger.info(
+        "%s: %s %.4f (%d examples in %.1fs, in pod)",
+        model,
+        report.headline,
+        report.average,
+        report.examples,
+        report.seconds,
+    )
+    return report
 
 
 COMPARE_CONFIDENCE = 0.95

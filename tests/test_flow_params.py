@@ -249,3 +249,29 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused_in_one_line(name
         run_folder(tmp_path / "work", name)
     assert not (tmp_path / "work").exists()  # nothing was written anywhere
     assert run_folder(tmp_path / "work", ".hidden.v2") == runs / ".hidden.v2"  # dots are fine beside other text
+
+
+def test_a_task_given_a_kubernetes_compute_with_secret_keys_receives_it_whole():
+    """A SecretRef's `keys` (a recipe field) once shadowed the mapping method Prefect calls on a task's pydantic
+    parameters: every task given such a compute section (train_stage, the gauntlet, promotion) failed before running."""
+    from prefect import flow, task
+
+    from tests.k8s.variants import GPU_TWO_NODES, compute
+
+    @task
+    def credentials_of(c):
+        return c.kubernetes.s3_credentials.key_map, c.kubernetes.mlflow_credentials.name
+
+    @flow(name="compute-param")
+    def with_compute():
+        return credentials_of(compute(GPU_TWO_NODES))
+
+    assert with_compute() == (
+        {"AWS_ACCESS_KEY_ID": "access-key", "AWS_SECRET_ACCESS_KEY": "secret-key"},
+        "mlflow-auth",
+    )
+    again = compute(GPU_TWO_NODES).model_dump(by_alias=True)  # what a recipe and a form write: `keys`
+    assert again["kubernetes"]["s3Credentials"]["keys"] == {
+        "AWS_ACCESS_KEY_ID": "access-key",
+        "AWS_SECRET_ACCESS_KEY": "secret-key",
+    }
