@@ -205,7 +205,8 @@ class KubernetesConfig(_Kube):
         ge=0,
         description="Whole-group restarts in the cluster after an application failure (JobSet "
         "failurePolicy.maxRestarts; the indexed-job launcher counts the same). Evictions and preemptions do not count "
-        "here but against compute.max_preemptions.",
+        "here but against compute.max_preemptions. On this backend it replaces compute.max_restarts for application "
+        "failures: a group that spent it ends the stage, never retried with a fresh budget.",
     )
     pending_timeout_s: float = Field(
         900.0,
@@ -269,7 +270,9 @@ class ComputeConfig(BaseModel):
         2,
         ge=0,
         description="Relaunches of a stage after an application failure (the trainer's retryable exit 75, or an "
-        "unexpected crash) before the stage fails. Small: the same bug tends to fail the same way.",
+        "unexpected crash) before the stage fails. Small: the same bug tends to fail the same way. On Kubernetes "
+        "the cluster retries application failures (kubernetes.max_restarts) and this counts the launcher's own: "
+        "the API lost, an image never pulled, a create refused by an unwell API server.",
     )
     max_preemptions: int = Field(
         100,

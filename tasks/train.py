@@ -7,7 +7,12 @@ stopped from outside says nothing about the run while a crash may well repeat:
 - preempted (relaunched here, up to `compute.max_preemptions` times): a rank killed by a signal
   (eviction, a lost node, the OOM killer, kill -9) or the trainer's exit 76 after a SIGTERM;
 - failed (a Prefect retry of this task, up to `compute.max_restarts` times): the trainer's
-  retryable exit 75 (lost peer collectives, timeouts, a loss-anomaly rollback) or any other crash;
+  retryable exit 75 (lost peer collectives, timeouts, a loss-anomaly rollback) or any other crash.
+  On Kubernetes the cluster restarts the group itself after such a failure, up to
+  `compute.kubernetes.max_restarts` times, and that budget is the one that counts them: a group that
+  failed after spending it ends the task (RestartsSpent) instead of starting a new group with a fresh
+  budget, so the two never multiply. The task's retries there count what the cluster cannot retry:
+  the launcher losing track of the API, an image never pulled, an API server refusing a create;
 - fatal (no retry): exit 78 (bad job, divergence, an edited stage, a run already being trained)
   and 2 (usage).
 """
@@ -60,6 +65,11 @@ class DataDamaged(TrainingFatal):
 
 class NoProgress(TrainingFatal):
     """Relaunches that keep ending without a new checkpoint: the stage stops instead of burning its budget."""
+
+
+class RestartsSpent(TrainingFailed):
+    """A Kubernetes group failed after the cluster restarted it compute.kubernetes.max_restarts times: that budget
+    counted these failures, and a retry of the task would start it over with a fresh one."""
 
 
 class PreemptionBudgetSpent(TrainingFailed):
@@ -144,7 +154,7 @@ def _run_once(job, relay: ProgressRelay) -> int:
 @task(
     retries=2,
     retry_delay_seconds=5,
-    retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent),  # NoProgress is a TrainingFatal
+    retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent, RestartsSpent),  # NoProgress: Fatal
     cache_policy=NO_CACHE,
     task_run_name="train-{stage_name}",
 )
@@ -232,6 +242,12 @@ def train_stage(
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
         error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
         budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
+        if kind == "failed" and getattr(job, "restarts_spent", False):
+            error = RestartsSpent
+            budget = (
+                f" after {job.restarts} restarts of the group in the cluster, compute.kubernetes.max_restarts "
+                f"spent: not retried again"
+            )
         raise error(
             f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
         )

@@ -274,3 +274,71 @@ def test_an_evaluation_pod_rides_through_resets_and_500s(api, tmp_path):
     assert [k for k, _ in c.creates].count("Job") == 1
     job.cancel(grace_s=0)
     assert c.names() == []
+
+
+def _stage_task(tmp_path, raw, retries: int):
+    """tasks.train.train_stage in a Prefect flow, with the retries the pipeline gives it (compute.max_restarts)."""
+    from prefect import flow
+
+    from tasks.train import train_stage
+    from tests.support.training import tiny_job, write_job
+    from trainers.config import StageConfig
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job = tiny_job(tmp_path, {"src": "s3://data/src"}, [StageConfig(name="s0", tokens=4096, mixture={"src": 1.0})])
+    job_path = write_job(job, tmp_path / "job.json")
+
+    @flow(name="k8s-stage")
+    def one_stage():
+        task = train_stage.with_options(retries=retries, retry_delay_seconds=0)
+        return task(str(job_path), 0, "s0", compute(raw), str(tmp_path / "logs"), run_name="tiny")
+
+    try:
+        return one_stage()
+    except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+        return exc
+
+
+def test_retry_budgets_do_not_multiply_the_cluster_counts_application_failures_the_task_the_launchers(
+    api, tmp_path, prefect_harness
+):
+    """compute.kubernetes.max_restarts counts a group's application failures, in the cluster; the task's retries
+    (compute.max_restarts) count only what the cluster cannot retry (here an image never pulled)."""
+    c = api.cluster
+    raw = _with(CPU_ONE_NODE, max_restarts=2, image_pull_timeout_s=1)
+
+    def spent(c):  # the group fails after its two in-cluster restarts
+        c.set_status("JobSet", c.wait_for("JobSet", NAME)["metadata"]["name"], restarts=2, restartsCountTowardsMax=2)
+        pods = c.start_pods(c.get("JobSet", NAME))
+        c.terminate(pods[0], 75)
+        settle()
+        c.set_condition("JobSet", NAME, "Failed", "ReachedMaxRestarts", "jobset failed due to reaching max restarts")
+
+    sim = Cluster(spent, c)
+    sim.start()
+    outcome = _stage_task(tmp_path / "spent", raw, retries=2)
+    sim.join()
+    assert type(outcome).__name__ == "RestartsSpent"
+    assert "after 2 restarts of the group in the cluster, compute.kubernetes.max_restarts spent" in str(outcome)
+    assert [k for k, _ in c.creates].count("JobSet") == 1  # not 3 groups of 3 attempts each
+    assert c.names() == []
+
+    c.creates.clear()
+
+    def pull_then_run(c):  # the launcher's own failure: the task's retry starts a new group, which succeeds
+        (pod,) = c.start_pods(c.wait_for("JobSet", NAME), phase="Pending")
+        c.set_waiting(pod, "ImagePullBackOff", "Back-off pulling image")
+        js = c.wait_for("JobSet", NAME, new_after=3, timeout=60)  # created again once the first was deleted
+        pods = c.start_pods(js)
+        c.log(pods[0], PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", NAME, "Completed", "AllJobsCompleted", "done")
+
+    sim = Cluster(pull_then_run, c)
+    sim.start()
+    outcome = _stage_task(tmp_path / "pull", raw, retries=2)
+    sim.join(timeout=90)
+    assert outcome == 0
+    assert [n for k, n in c.creates if k == "JobSet"] == [NAME, NAME]  # the first deleted before the second
+    assert c.names() == []
