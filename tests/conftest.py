@@ -408,11 +408,15 @@ _LONGEST_FIRST = [
     "test_train_ops.py",
     "test_pipeline_e2e.py",
     "test_continued.py",
+    "test_k8s_faults.py",
+    "test_metrics_outbox_s3.py",
     "test_disk_full.py",
     "test_data_check.py",
     "test_data_interrupt.py",
     "test_exclusive.py",
     "test_register.py",
+    "test_promote_in_pods.py",
+    "test_remote_folder.py",
     "test_data_cli.py",
 ]
 
