@@ -14,6 +14,7 @@ from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
 from evaluation.runner import run_gauntlet
 from tasks.tracking_config import TrackingConfig
+from tests.support.gauntlet import tiny_llama
 from trainers.format.checkpoints import CheckpointInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,20 +26,6 @@ def _tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>", pad_token="<|padding|>"
     )
-
-
-def _llama(vocab: int, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +49,7 @@ def composer_checkpoint(tmp_path_factory):
     from composer.models import HuggingFaceModel
 
     tok = _tokenizer()
-    model = _llama(len(tok), seed=3)
+    model = tiny_llama(len(tok), seed=3)
     ids = torch.randint(2, 1000, (4, 16))
     data = [{"input_ids": row, "labels": row} for row in ids]
     folder = tmp_path_factory.mktemp("ckpt")
@@ -249,7 +236,7 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(
     tok = _tokenizer()
     hf_a, hf_b = tmp_path / "a", tmp_path / "b"
     for seed, out in ((1, hf_a), (2, hf_b)):
-        _llama(len(tok), seed).save_pretrained(out)
+        tiny_llama(len(tok), seed).save_pretrained(out)
         tok.save_pretrained(out)
     client.log_artifacts(run_id, str(hf_a), "checkpoints/tok-1")
     client.create_registered_model("tiny")

@@ -15,9 +15,7 @@ import tempfile
 import threading
 
 import pytest
-import torch
 import transformers
-from prefect.utilities.annotations import quote
 
 from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
@@ -30,12 +28,13 @@ from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.variants import CPU_ONE_NODE, compute
+from tests.support.gauntlet import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
 LOCAL_DATA = ROOT / "data" / "gauntlet" / "eval" / "local_data"
-# with s3_credentials, as a real recipe has them: the flow passes the config quoted (see flows/continued.py)
+# with s3_credentials, as a real recipe has them (a SecretRef once broke every task given the config)
 K8S = compute(CPU_ONE_NODE)
 
 
@@ -155,18 +154,7 @@ def registry(tmp_path):
         tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>", pad_token="<|padding|>"
     )
     for seed in (1, 2):
-        torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=len(tok),
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=128,
-                tie_word_embeddings=True,
-            )
-        )
+        model = tiny_llama(len(tok), seed)
         hf = tmp_path / f"hf{seed}"
         model.save_pretrained(hf)
         tok.save_pretrained(hf)
@@ -229,7 +217,7 @@ def test_promotion_scores_both_models_in_pods_as_the_flow_would_in_process(
     @flow(name="promote-in-pods")
     def promote():
         # eval.max_seq_len is set: max_seq_len (the recipe's seq_len) is what a recipe without it would use
-        return tasks.promote.promote_challenger(gauntlet, tracking, rule, "cpt-pods", run_id, 2, 128, quote(K8S))
+        return tasks.promote.promote_challenger(gauntlet, tracking, rule, "cpt-pods", run_id, 2, 128, K8S)
 
     decision, champion = promote()
     kubelet.stop()
@@ -258,7 +246,7 @@ def test_a_bad_input_pod_is_a_one_line_gauntlet_error_and_is_not_retried(cluster
 
     @flow(name="score-bad-input-in-pod")
     def score():
-        return score_in_pod("models:/m/9", gauntlet, tracking.tracking_uri, quote(K8S), "cpt-pods-promote-v9")
+        return score_in_pod("models:/m/9", gauntlet, tracking.tracking_uri, K8S, "cpt-pods-promote-v9")
 
     with pytest.raises(GauntletError) as info:
         score()
@@ -280,7 +268,7 @@ def test_a_pod_that_crashed_is_retried_in_a_new_pod(cluster, registry, gauntlet,
 
     @flow(name="score-retried-in-pod")
     def score():
-        return score_in_pod("models:/m/1", gauntlet, tracking.tracking_uri, quote(K8S), "cpt-pods-promote-v1")
+        return score_in_pod("models:/m/1", gauntlet, tracking.tracking_uri, K8S, "cpt-pods-promote-v1")
 
     report = score()
     kubelet.stop()

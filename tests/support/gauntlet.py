@@ -115,3 +115,20 @@ def fitted_bigram(tokenizer: Any, texts: Iterable[str], alpha: float = 0.1) -> B
         smoothed = counts + alpha
         model.table.copy_(torch.log(smoothed / smoothed.sum(dim=1, keepdim=True)))
     return model.eval()
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 64, positions: int = 128):
+    """A real transformers Llama small enough to score a gauntlet in seconds, the same weights for the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).eval()
