@@ -16,23 +16,35 @@ from infra.kube_api import Kube, KubeError
 
 
 def _wait_gone(kube: Kube, kind: str, name: str, deadline: float, stop: threading.Event | None = None) -> bool:
-    """Whether the object is gone before `deadline` (monotonic) and before `stop` is set."""
-    while kube.get(kind, name) is not None:
+    """Whether the object is gone before `deadline` (monotonic) and before `stop` is set. An API that does not
+    answer meanwhile is asked again: a blip during cleanup must not fail a stage that has ended."""
+    while True:
+        try:
+            if kube.get(kind, name) is None:
+                return True
+        except KubeError as exc:
+            if not exc.transient:
+                raise
         if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return False
         time.sleep(0.5)
-    return True
 
 
 def delete_launch(kube: Kube, objects: list[dict], wait_s: float, report: Callable[[str], None]) -> None:
     """Delete every object of a launch and wait up to `wait_s` until they are gone; a refused delete is
     reported, not raised, so the rest still go."""
-    for obj in reversed(objects):  # the group first, so nothing recreates pods while the rest goes
-        try:
-            kube.delete(obj["kind"], obj["metadata"]["name"])
-        except KubeError as exc:
-            report(f"could not delete {obj['kind']} {obj['metadata']['name']}: {exc}")
     deadline = time.monotonic() + wait_s
+    for obj in reversed(objects):  # the group first, so nothing recreates pods while the rest goes
+        while True:
+            try:
+                kube.delete(obj["kind"], obj["metadata"]["name"])
+                break
+            except KubeError as exc:
+                if exc.transient and time.monotonic() < deadline:  # a blip: ask again, within the wait
+                    time.sleep(0.5)
+                    continue
+                report(f"could not delete {obj['kind']} {obj['metadata']['name']}: {exc}")
+                break
     for obj in objects:
         _wait_gone(kube, obj["kind"], obj["metadata"]["name"], deadline)
 

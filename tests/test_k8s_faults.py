@@ -342,3 +342,15 @@ def test_retry_budgets_do_not_multiply_the_cluster_counts_application_failures_t
     assert outcome == 0
     assert [n for k, n in c.creates if k == "JobSet"] == [NAME, NAME]  # the first deleted before the second
     assert c.names() == []
+
+
+def test_a_blip_during_cleanup_neither_fails_the_stage_nor_leaves_an_object(api, tmp_path):
+    c = api.cluster
+    sim = Cluster(lambda c: _complete(c, c.start_pods(c.wait_for("JobSet", NAME))), c)
+    sim.start()
+    job = _launch(tmp_path, CPU_ONE_NODE)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    c.faults.errors = 5  # the deletes and the looks that wait for them get 500s first
+    assert _end(job, api) == f"tessera.k8s: JobSet {NAME} completed"  # no exception, and nothing left
+    assert c.faults.errors == 0
