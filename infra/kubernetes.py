@@ -138,14 +138,13 @@ class KubernetesBackend:
         )
         try:
             for obj in objects:
-                created = self.kube.create(obj)
-                if obj is objects[-1]:
-                    self._own(objects[:-1], created)
+                group = self.kube.create(obj)  # the group is created last
         except KubeError as exc:
             if exc.transient:
                 raise  # the API server is unwell: a retry of the task may find it well (and re-attach)
             job.end(Outcome(FATAL, "fatal", _refusal(obj, exc)))
             return self._registered(job)
+        self._own(objects[:-1], group)
         names = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects)
         job.note(f"created {names} in namespace {self.cfg.namespace}")
         return self._registered(job).start()

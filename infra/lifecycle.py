@@ -33,8 +33,7 @@ def launching() -> Iterator[set[StoppableJob]]:
     """Hold while starting a job and registering it (add it to the yielded set): never between
     cancel_all's decision to stop and its sweep of the live jobs."""
     with _LOCK:
-        if _STOPPING.is_set():
-            raise LaunchRefused("not launching: this process is stopping its jobs (the flow failed or was cancelled)")
+        refuse_if_stopping()
         yield _LIVE
 
 

@@ -127,9 +127,10 @@ class RemoteCopy:
 
     def read(self) -> dict | None:
         """{"marker": {...} | None, "journal": "<jsonl>"}, or None where no launch wrote one yet."""
-        if self.name not in self.remote._names(self.name):
+        try:
+            return json.loads(self.remote._get_text(self.name))  # one GET: a missing object is the answer too
+        except FileNotFoundError:
             return None
-        return json.loads(self.remote._get_text(self.name))
 
     def write(self, marker: dict | None, journal: str) -> None:
         self.remote._put_text(self.name, json.dumps({"marker": marker, "journal": journal}))

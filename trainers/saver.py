@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 from composer.callbacks import CheckpointSaver
 from composer.core import Event, State
@@ -165,12 +163,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
 
     def _record_time(self, tokens: int, final: bool) -> None:
         folder = self.run_folder
-        # Pushed whole with each record: one that fails in an object store outage is carried by the next, and
-        # never stops training (the checkpoints' own uploads are retried in the background).
-        remote = (
-            None if self.remote is None else SimpleNamespace(push_file=partial(self.remote.push_file, best_effort=True))
-        )
-        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, remote)
+        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, self.remote)
 
     def post_close(self) -> None:
         super().post_close()

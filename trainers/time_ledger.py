@@ -40,7 +40,9 @@ def record(save_folder: str | Path, run_name: str, stage: str, tokens: int, fina
     target = path(save_folder, run_name)
     append_record(target, line)
     if remote is not None:
-        remote.push_file(target)
+        # pushed whole with each record: one that fails in an object store outage is carried by the next, and
+        # never stops training (the checkpoints' own uploads are retried in the background)
+        remote.push_file(target, best_effort=True)
 
 
 def read(save_folder: str | Path, run_name: str) -> list[dict]:
