@@ -32,6 +32,10 @@ class KubernetesJob:
 
     watch_s = 2  # a watch request's length: how often pods and timeouts are looked at without a group event
     delete_wait_s = 120.0  # how long cancel waits for the pods of a deleted group to be gone
+    # How long the end waits for the relay to bring pod 0's last output in. A finished pod's log is read to its end
+    # in one request, but on a loaded node (or a slow API) a few rounds of list/log/get can take seconds; too short
+    # a bound put the explanation before the output it explains, or left the output out.
+    relay_drain_s = 10.0
 
     def __init__(
         self,
@@ -168,7 +172,7 @@ class KubernetesJob:
         self._ended.set()
         if self._logger.ident is not None and self._logger is not threading.current_thread():
             # pod 0's last lines before the explanation; a pod 0 still running has written all it had
-            self._logger.join(timeout=2.0)
+            self._logger.join(timeout=self.relay_drain_s)
         if outcome.cause != "done":
             failure = self._group.failure_behind(outcome)
             if failure is not None:
