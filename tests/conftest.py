@@ -34,6 +34,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # which nothing here uses.
 os.environ.setdefault("TORCH_WARM_POOL", "0")
 
+# Prefect's console log handler keeps the sys.stderr of the moment prefect is first imported. First imported inside
+# a test that uses capsys, it holds that test's capture, closed when the test ends, and every later Prefect log line
+# in the process fails ("I/O operation on closed file", then a RecursionError in logging's error path). Setting it up
+# here, after the environment above, binds it to the process's own stderr whatever the test order
+# (a plain `import prefect` is lazy and configures nothing).
+from prefect.logging.configuration import ensure_logging_setup  # noqa: E402
+
+ensure_logging_setup()
+
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
