@@ -61,10 +61,25 @@ def _start(folder: Path) -> tuple[subprocess.Popen, int]:
     return proc, int(prefix)
 
 
+def _clean_until_gone(files: set[tuple[str, int]], within_s: float = 30.0) -> set[str]:
+    """Run the cleaner until `files` are gone or `within_s` has passed; every name it removed meanwhile.
+
+    Another test worker's dataset choosing its own prefix maps every prefix's segments (for a moment, or, in a process
+    that keeps its datasets, for as long as they live), so one look may find a dead launch's segments mapped."""
+    from trainers.shm import clean_stale_streaming_shm
+
+    removed: set[str] = set()
+    deadline = time.monotonic() + within_s
+    while True:
+        removed |= set(clean_stale_streaming_shm())
+        if not _present(files) or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.2)
+
+
 def test_only_segments_no_live_process_maps_are_removed(tmp_path, monkeypatch):
     from tests.support.training import write_mds
     from trainers import shm
-    from trainers.shm import clean_stale_streaming_shm
 
     monkeypatch.setattr(shm, "YOUNG_S", 0.0)  # the dead dataset's segments are seconds old: the age rule is below
 
@@ -81,25 +96,21 @@ def test_only_segments_no_live_process_maps_are_removed(tmp_path, monkeypatch):
         dead.wait()
         assert live_files and dead_files and _present(dead_files) == dead_files
 
-        removed = clean_stale_streaming_shm()
-        assert {n for n, _ in dead_files} <= set(removed) and not _present(dead_files)  # the killed one's are gone
-        assert _present(live_files) == live_files and not {n for n, _ in live_files} & set(
-            removed
-        )  # the live one's stay
+        removed = _clean_until_gone(dead_files)
+        # the killed one's are gone, or a live process (another worker's dataset) maps them: the one rule
+        assert ({n for n, _ in dead_files} <= removed and not _present(dead_files)) or (
+            f"{dead_prefix:06}" in shm._mapped_prefixes()
+        )
+        assert _present(live_files) == live_files and not {n for n, _ in live_files} & removed  # the live one's stay
         live.stdin.write("3\n")
         live.stdin.flush()
         assert live.stdout.readline() == "16\n"  # and it still reads
     finally:
         os.killpg(live.pid, signal.SIGKILL)
         live.wait()
-    # once its process is gone, the next launch clears them too. Another test worker's dataset choosing its own
-    # prefix maps every prefix's segments (for a moment, or, in a process that keeps its datasets, for as long as
-    # they live), so a look may find them mapped: the cleaner looks again, and what stays must be mapped by a live
-    # process, the one rule by which it keeps a segment
-    deadline = time.monotonic() + 30
-    while _present(live_files) and time.monotonic() < deadline:
-        clean_stale_streaming_shm()
-        time.sleep(0.2)
+    # once its process is gone, the next launch clears them too; what stays must be mapped by a live process, the
+    # one rule by which the cleaner keeps a segment
+    _clean_until_gone(live_files)
     assert not _present(live_files) or f"{live_prefix:06}" in shm._mapped_prefixes()
 
 
