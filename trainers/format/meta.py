@@ -7,32 +7,44 @@ package's export.py) builds the model this way, as the trainer does for a resume
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
+_local = threading.local()  # how deep this thread is in parameters_on_meta()
+_install_lock = threading.Lock()
+_original_register = torch.nn.Module.register_parameter
+
+
+def _register_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+    _original_register(module, name, param)
+    if getattr(_local, "depth", 0) and param is not None and param.device.type != "meta":
+        module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device: no memory and no init kernels.
+    """Modules built inside, by this thread, get their parameters on the meta device: no memory and no init kernels.
 
     Buffers stay real, because some are computed in __init__ and never saved (RoPE's inv_freq is a
     non-persistent buffer): a checkpoint would not bring them back. (accelerate's
     `init_empty_weights(include_buffers=False)` does this; accelerate is not a dependency.)
+
+    Only the calling thread is affected. The flow process exports one checkpoint while its gauntlet loads another
+    in a second thread: swapping `Module.register_parameter` in and out per call, as init_empty_weights does, built
+    the other thread's model on meta ("Cannot copy out of meta tensor"), and two overlapping calls could restore
+    each other's patch and leave every later model in the process on meta. The hook is installed once and asks a
+    thread-local depth.
     """
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            meta = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name] = meta
-
-    torch.nn.Module.register_parameter = on_meta
+    with _install_lock:
+        if torch.nn.Module.register_parameter is not _register_parameter:
+            torch.nn.Module.register_parameter = _register_parameter
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register
+        _local.depth -= 1
 
 
 def empty_like_meta(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.nn.Module:
