@@ -16,6 +16,7 @@ from typing import Any
 from evaluation.errors import GauntletError
 from trainers.format.checkpoints import damage, folder_damage
 from trainers.format.mlflow_model import download_model
+from trainers.format.model_dirs import is_mlflow_model
 
 _SEQ_LEN_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
 
@@ -37,11 +38,15 @@ def model_max_seq_len(model: Any, default: int = 2048) -> int:
     return default
 
 
-def _from_hf_dir(path: Path, source: str) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _from_hf_folders(path: Path, source: str, trust: bool) -> LoadedModel:
+    """An HF folder, or an MLflow Model of one, read by transformers with no code of the folder's run."""
+    from trainers.format.model_dirs import hf_folders, load_hf_model
+    from trainers.format.safe_load import UnsafeCheckpoint
 
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model, tokenizer = load_hf_model(hf_folders(path), trust=trust)
+    except UnsafeCheckpoint as exc:
+        raise GauntletError(str(exc)) from None
     return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), source)
 
 
@@ -68,7 +73,7 @@ def _hf_dir_under(root: Path) -> Path | None:
     return None
 
 
-def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
+def _from_mlflow(uri: str, tracking_uri: str | None, trust: bool) -> LoadedModel:
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking_uri:
         raise GauntletError(f"{uri}: an MLflow model URI needs a tracking URI (--tracking-uri or MLFLOW_TRACKING_URI)")
@@ -81,16 +86,35 @@ def _from_mlflow(uri: str, tracking_uri: str | None) -> LoadedModel:
             raise GauntletError(str(exc)) from None
         except Exception as exc:  # MlflowException for unknown names, versions or aliases
             raise GauntletError(f"{uri}: cannot download from MLflow: {str(exc).splitlines()[0]}") from exc
-        if (Path(local) / "MLmodel").is_file():
-            return _from_mlflow_model(Path(local), uri)
-        hf_dir = _hf_dir_under(Path(local))
-        if hf_dir is None:
-            raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
-        return _from_hf_dir(hf_dir, uri)
+        try:
+            if is_mlflow_model(local):
+                return _from_mlflow_model(Path(local), uri, trust)
+            hf_dir = _hf_dir_under(Path(local))
+            if hf_dir is None:
+                raise GauntletError(f"{uri}: the model version's artifact holds no HF model directory (config.json)")
+            return _from_hf_folders(hf_dir, uri, trust)
+        except GauntletError as exc:
+            if not local.startswith(dest):  # a version whose source is a local folder: named as it is
+                raise
+            # a refusal names the file by the URI a person gave, not by the download's temporary path
+            raise GauntletError(str(exc).replace(str(Path(local)), uri)) from None
 
 
-def _from_mlflow_model(path: Path, source: str) -> LoadedModel:
-    """A model version registered as an MLflow Model (transformers flavor): model and tokenizer components."""
+def _from_mlflow_model(path: Path, source: str, trust: bool) -> LoadedModel:
+    """A model version registered as an MLflow Model (transformers flavor).
+
+    Its weights and tokenizer are read from the folders its MLmodel names, by transformers: MLflow's own loader
+    would put a `code` directory the flavor names first on sys.path. Only a trusted model that names code goes
+    through MLflow's loader, which is what such a model expects."""
+    from trainers.format.model_dirs import mlflow_code
+    from trainers.format.safe_load import UnsafeCheckpoint
+
+    try:
+        code = mlflow_code(path)
+    except UnsafeCheckpoint as exc:
+        raise GauntletError(str(exc)) from None
+    if not (trust and code):
+        return _from_hf_folders(path, source, trust)
     import mlflow.transformers
 
     try:
@@ -117,22 +141,22 @@ def check_checkpoint(path: str, sha256: str | None, shown: str | None = None, fi
 def load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
     """Load M for scoring on CPU (or wherever the caller later moves it).
 
-    Nothing M names runs code while it loads: a Composer checkpoint goes through the weights-only
-    unpickler (refused in one line unless `trust`), HF directories and MLflow models through
-    transformers, which reads safetensors, or `.bin` files weights-only, and never runs a
-    directory's own code (no trust_remote_code).
+    Nothing M names runs code while it loads unless `trust` (--trust-checkpoint): a Composer checkpoint goes
+    through the weights-only unpickler; HF directories and MLflow models through trainers/format/model_dirs.py,
+    which refuses an MLflow `code` directory and an `auto_map`, and reads weights with transformers, safetensors
+    or weights-only `.bin`. Each refusal is one GauntletError line naming the file.
     """
     if spec.startswith("models:/") or spec.startswith("runs:/"):
-        return _from_mlflow(spec, tracking_uri)
+        return _from_mlflow(spec, tracking_uri, trust)
     path = Path(spec)
     if path.is_dir():
-        if (path / "MLmodel").is_file():
-            return _from_mlflow_model(path, spec)
+        if is_mlflow_model(path):
+            return _from_mlflow_model(path, spec, trust)
         if (path / ".metadata").is_file():  # a sharded Composer checkpoint (trainers/format/sharded.py)
             return _from_composer(spec, trust)
         if not (path / "config.json").is_file():
             raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
-        return _from_hf_dir(path, spec)
+        return _from_hf_folders(path, spec, trust)
     if path.is_file():
         return _from_composer(spec, trust)
     raise GauntletError(f"{spec}: no such checkpoint file, HF model directory or MLflow model URI")

@@ -395,9 +395,9 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
         with tempfile.TemporaryDirectory(prefix="tessera-init-") as tmp:  # the weights end up in memory
             source_dir = _resolve_model_uri(job.model.init_from, job.mlflow, tmp)
             if sharded:
-                init_source = model_lib.read_weights_from(hf_model, source_dir)
+                init_source = model_lib.read_weights_from(hf_model, source_dir, trust=job.train.trust_checkpoints)
             else:
-                model_lib.load_weights_from(hf_model, source_dir)
+                model_lib.load_weights_from(hf_model, source_dir, trust=job.train.trust_checkpoints)
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -405,7 +405,7 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
         local = job.tokenizer_dir
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
             local = str(fetch_folder(local, cache_dir_for(local, job.run_name)))
-        tokenizer = AutoTokenizer.from_pretrained(local)
+        tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=False)  # prepare's copy, never code
     return hf_model, _wrap(hf_model, tokenizer), init_source
 
 

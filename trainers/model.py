@@ -27,6 +27,8 @@ from trainers.exit_codes import FatalError
 from trainers.format.checkpoints import SHARD_METADATA
 from trainers.format.export import load_hf
 from trainers.format.meta import empty_like_meta, parameters_on_meta
+from trainers.format.model_dirs import hf_config, hf_folders, load_hf_causal_lm
+from trainers.format.safe_load import UnsafeCheckpoint
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
 # with the GPT-NeoX vocabulary of ~50k and tied embeddings). Per-block weights are
@@ -185,32 +187,35 @@ def checkpoint_bytes(cfg: ModelConfig, vocab_size: int) -> int:
     return CHECKPOINT_BYTES_PER_PARAM * total_params(cfg, vocab_size)
 
 
-def load_weights_from(model: LlamaForCausalLM, source_dir: str) -> LlamaForCausalLM:
+def load_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool = False) -> LlamaForCausalLM:
     """Continued pretraining: copy an HF model directory's weights into `model`, which was built from the recipe.
 
     Building from the recipe and copying (rather than adopting the directory's config) keeps one
     source of truth for the architecture; a directory that does not fit is refused by name.
     """
-    model.load_state_dict(read_weights_from(model, source_dir), strict=True)
+    model.load_state_dict(read_weights_from(model, source_dir, trust=trust), strict=True)
     return model
 
 
-def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, torch.Tensor]:
+def read_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool = False) -> dict[str, torch.Tensor]:
     """An HF model directory's weights by parameter name, after checking they fit `model` (which may be on the
     meta device: a sharded launch fills each rank's shards from them, trainers/sharding.py). A sharded
-    checkpoint folder of another run is read the same way (its model tensors only)."""
+    checkpoint folder of another run is read the same way (its model tensors only); a registry version (an
+    MLflow Model) through the HF folder its MLmodel names. Nothing in the folder runs unless `trust`
+    (train.trust_checkpoints): a refusal is a FatalError naming the file."""
     from pathlib import Path
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (Path(source_dir) / "MLmodel").is_file():  # a registry version: an MLflow Model holding the HF dir
-        source_dir = str(Path(source_dir) / "model")
     source = None
-    if (Path(source_dir) / SHARD_METADATA).is_file():
-        source, _ = load_hf(source_dir)
-        theirs = source.config
-    else:
-        theirs = AutoConfig.from_pretrained(source_dir)
+    try:
+        if (Path(source_dir) / SHARD_METADATA).is_file():
+            source, _ = load_hf(source_dir, trust=trust)
+            theirs = source.config
+        else:
+            folders = hf_folders(source_dir)
+            source_dir = str(folders.model)
+            theirs = hf_config(folders.model, trust=trust)
+    except UnsafeCheckpoint as exc:
+        raise FatalError(f"model.init_from: {exc}") from None
     ours = model.config
     for field, name in [
         ("num_hidden_layers", "n_layers"),
@@ -227,5 +232,8 @@ def read_weights_from(model: LlamaForCausalLM, source_dir: str) -> dict[str, tor
                 f"builds {name}={getattr(ours, field)!r}"
             )
     if source is None:
-        source = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+        try:
+            source = load_hf_causal_lm(folders.model, trust=trust, torch_dtype=torch.float32)
+        except UnsafeCheckpoint as exc:
+            raise FatalError(f"model.init_from: {exc}") from None
     return source.state_dict()

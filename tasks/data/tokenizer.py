@@ -107,7 +107,7 @@ def _write_converted(cfg: TokenizerConfig, dest: str) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.path, use_fast=True, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(cfg.path, use_fast=True, local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise DataError(cfg.path, f"cannot load tokenizer ({type(exc).__name__}: {exc})") from exc
     _check_specials(tok.get_vocab(), cfg)

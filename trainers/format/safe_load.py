@@ -27,7 +27,8 @@ TRUST_HINT = "pass --trust-checkpoint only for a file you made or trust"
 
 
 class UnsafeCheckpoint(ValueError):
-    """A checkpoint that needs more than tensors and plain values to load. `str()` is one line naming it."""
+    """A model file tessera will not load: one that needs more than tensors and plain values, names code to run,
+    or is not a checkpoint at all. `str()` is one line naming it."""
 
 
 def _numpy_globals() -> list:
@@ -144,10 +145,16 @@ def refusal(path: str | Path, exc: BaseException) -> str:
 
 def load(path: str | Path, *, trust: bool = False, mmap: bool = False, shown: str | None = None) -> dict:
     """The checkpoint's pickled state, on CPU; UnsafeCheckpoint unless it holds only safe values or `trust`.
-    `shown` names the file in the error when `path` is a downloaded copy."""
+    `shown` names the file in the error when `path` is a downloaded copy.
+
+    `mmap` is a wish: a file in torch's old (pre-1.6, non-zip) format cannot be mapped and is read whole. A
+    file that is not a torch checkpoint at all is refused in one line too, not a traceback."""
+    import zipfile
+
     import torch
 
     allow_checkpoint_types()
+    mmap = mmap and zipfile.is_zipfile(path)
     if trust:
         # The caller vouches for the file: the full unpickler, even where force_weights_only() is in effect.
         saved = os.environ.pop(FORCE_ENV, None)
@@ -160,5 +167,8 @@ def load(path: str | Path, *, trust: bool = False, mmap: bool = False, shown: st
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if "weights only" not in str(exc).lower() and "weights_only" not in str(exc):
-            raise
+            raise UnsafeCheckpoint(f"{shown or path}: refused to load: not a torch checkpoint ({exc})") from None
         raise UnsafeCheckpoint(refusal(shown or path, exc)) from None
+    except (RuntimeError, EOFError) as exc:  # a truncated zip, a file of another kind
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnsafeCheckpoint(f"{shown or path}: refused to load: not a readable torch checkpoint ({first})") from None
