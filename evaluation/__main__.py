@@ -228,9 +228,11 @@ def _report_only(args: argparse.Namespace, cfg) -> int:
 
 def _package(model, tokenizer, args: argparse.Namespace, tmp: Path) -> str:
     """The loaded model as an MLflow Model, uploaded beside its checkpoint: registration never loads it again."""
+    from trainers.format.export import never_emit_padding
     from trainers.format.mlflow_model import publish, save_mlflow_model
 
     hf_dir = tmp / "hf"
+    never_emit_padding(model, tokenizer)
     model.to("cpu").save_pretrained(hf_dir, safe_serialization=True)
     tokenizer.save_pretrained(hf_dir)
     card = f"# tessera checkpoint\n\nStage {args.stage or '?'}, after {args.step:,} tokens (run {args.run_id})."

@@ -139,6 +139,18 @@ def check_checkpoint(path: str, sha256: str | None, shown: str | None = None, fi
 
 
 def load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
+    """Load M for scoring; refused in one line when its head has fewer rows than its tokenizer has ids (see
+    _load_model for the rest)."""
+    from evaluation.runner import vocabulary_mismatch
+
+    loaded = _load_model(spec, tracking_uri, trust=trust)
+    why = vocabulary_mismatch(loaded.model, loaded.tokenizer)
+    if why is not None:
+        raise GauntletError(f"{spec}: {why}")
+    return loaded
+
+
+def _load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
     """Load M for scoring on CPU (or wherever the caller later moves it).
 
     Nothing M names runs code while it loads unless `trust` (--trust-checkpoint): a Composer checkpoint goes

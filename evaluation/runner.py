@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -105,7 +106,39 @@ def run_gauntlet(model: Any, tokenizer: Any, cfg: EvalConfig, max_seq_len: int) 
     tasks = load_tasks(cfg.tasks)
     spec: GauntletSpec | None = load_gauntlet(cfg.gauntlet) if cfg.gauntlet else None
     model = model.to(scoring_device(cfg))
-    return run_tasks(model, tokenizer, tasks, spec, cfg, max_seq_len)
+    with tokenizer_rows_only(model, tokenizer):
+        return run_tasks(model, tokenizer, tasks, spec, cfg, max_seq_len)
+
+
+def vocabulary_mismatch(model: Any, tokenizer: Any) -> str | None:
+    """Why `model` cannot be scored with `tokenizer`'s ids, or None: its head must have a row for every id."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(head, "weight"):
+        return None
+    rows, ids = int(head.weight.shape[0]), len(tokenizer)
+    if rows < ids:
+        return f"the model has {rows} vocabulary rows but its tokenizer has {ids} ids"
+    return None
+
+
+@contextmanager
+def tokenizer_rows_only(model: Any, tokenizer: Any) -> Iterator[None]:
+    """While scoring, the head's output keeps only the tokenizer's ids: a model whose vocabulary is padded
+    (trainers/model.vocab_rows) can never score or emit a padded id, since no logit of one exists. Every
+    forward goes through the head, the scored positions' and `generate`'s alike."""
+    why = vocabulary_mismatch(model, tokenizer)
+    if why is not None:
+        raise GauntletError(why)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    ids = len(tokenizer)
+    if head is None or int(head.weight.shape[0]) == ids:
+        yield
+        return
+    handle = head.register_forward_hook(lambda _module, _args, logits: logits[..., :ids])
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def run_tasks(

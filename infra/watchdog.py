@@ -37,6 +37,7 @@ class Budgets:
     download_s: float = 600
     load_s: float = 600
     first_step_s: float = 900
+    compile_s: float = 1800
     data_s: float = 600
     step_floor_s: float = 60
     step_factor: float = 10

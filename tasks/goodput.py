@@ -8,7 +8,8 @@ Two sources, no new instrumentation:
 
 The buckets, which add up to the wall time from the first launch's start to the last one's end:
     productive  steps that a checkpoint kept (the data wait and step phases)
-    startup     launching the processes, imports, the rendezvous, planning, the first step (compile)
+    startup     launching the processes, imports, the rendezvous, planning, the first step
+    compile     torch.compile compiling the model's graphs (train.compile), on a launch's first steps
     load        loading the checkpoint a launch starts from, and downloading it
     save        checkpoint saves the step loop waited for, and the stage's last uploads
     eval        held-out batches scored at checkpoints
@@ -28,10 +29,11 @@ from pathlib import Path
 from tasks import launch_ledger
 from trainers import time_ledger
 
-BUCKETS = ("productive", "startup", "load", "save", "eval", "lost", "hung", "pending", "idle")
+BUCKETS = ("productive", "startup", "compile", "load", "save", "eval", "lost", "hung", "pending", "idle")
 WORDS = {
     "productive": "productive training (steps a checkpoint kept)",
     "startup": "startup (launch to the first step)",
+    "compile": "compiling the model (torch.compile)",
     "load": "checkpoint load and download",
     "save": "checkpoint saves and final uploads",
     "eval": "held-out evaluation",
@@ -94,6 +96,7 @@ def _launch_buckets(launch: dict, records: list[dict]) -> dict[str, float]:
         out["startup"] = max(0.0, last["process_start"] - accounted_until) + sum(
             p.get(k, 0) for k in ("startup", "plan", "first_step")
         )
+        out["compile"] = p.get("compile", 0)
         out["load"] = p.get("download", 0) + p.get("load", 0)
         out["save"] = p.get("save", 0) + p.get("upload", 0)
         out["eval"] = p.get("eval", 0)

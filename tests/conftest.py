@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # of three compile workers that each import torch: seconds of CPU per test process, for torch.compile,
 # which nothing here uses.
 os.environ.setdefault("TORCH_WARM_POOL", "0")
+# Compiled kernels (trainers/compile.py) shared by every test and both workers: a CPU compile of even the tiny
+# model's block costs tens of seconds, and the folders under it are keyed by code, versions and device, so a
+# shared cache can only ever hand a test what that test would have compiled itself.
+os.environ.setdefault("TESSERA_COMPILE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "tessera-test-compile-cache"))
 
 # Prefect's console log handler keeps the sys.stderr of the moment prefect is first imported. First imported inside
 # a test that uses capsys, it holds that test's capture, closed when the test ends, and every later Prefect log line

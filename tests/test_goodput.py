@@ -41,7 +41,9 @@ def _run(tmp_path):
     )  # fmt: skip
     phases = dict.fromkeys(("startup", "plan", "download", "load", "first_step", "data", "step", "eval"), 0.0)
     first = phases | {"startup": 3, "first_step": 5, "step": 45, "data": 5}  # 58 s, to the checkpoint at T0 + 60
-    second = phases | {"startup": 3, "load": 4, "first_step": 5, "step": 70, "data": 5, "save": 3, "close": 1}  # 91 s
+    # the second compiled its blocks for 3 s of its first step (train.compile): neither startup nor productive
+    second = phases | {"startup": 3, "load": 4, "first_step": 2, "compile": 3, "step": 70, "data": 5, "save": 3}
+    second["close"] = 1  # 91 s
     records = [
         {"pid": 1, "process_start": T0 + 2, "at": T0 + 60, "stage": "s", "tokens": 2048, "final": False,
          "phases": first},
@@ -62,7 +64,8 @@ def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost
     assert (goodput.launches, goodput.tokens, goodput.wall_s) == (2, 4096, 200.0)
     assert goodput.buckets == {
         "productive": 50 + 75,  # data + step of both launches
-        "startup": (2 + 3 + 5) + (3 + 3 + 5),  # process start after the launch, its startup, the first step
+        "startup": (2 + 3 + 5) + (3 + 3 + 2),  # process start after the launch, its startup, the first step
+        "compile": 3,
         "load": 4,
         "save": 3,
         "eval": 0,

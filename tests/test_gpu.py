@@ -1,5 +1,6 @@
-"""What only a CUDA device can show: a stage trained in bf16 on the GPU, killed and resumed, and the gauntlet
-scored there. Deselected by default (`-m 'not gpu'` in pyproject); run with `pytest -m gpu` on a GPU machine."""
+"""What only a CUDA device can show: a stage trained in bf16 on the GPU (compiled, as `train.compile: auto` does
+there), killed and resumed from its cached kernels, and the gauntlet scored there. Deselected by default
+(`-m 'not gpu'` in pyproject); run with `pytest -m gpu` on a GPU machine."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_a_bf16_stage_on_cuda_killed_mid_stage_resumes_on_the_same_samples(tmp_p
     # the preflight's probe ran on the GPU (bf16 4096^2 matmuls): tens of TFLOP/s at the least, not a CPU's tens of G
     preflight = next(s for s in map(parse_preflight, whole.stdout.splitlines()) if s is not None)
     assert min(r["matmul_gflops"] for r in preflight["ranks"]) > 20_000, preflight
+    assert "compiling 2 decoder blocks (inductor)" in whole.stderr  # train.compile: auto compiles on CUDA
 
     job, path = _stage_job(tmp_path / "cut", src)
     log = tmp_path / "cut.jsonl"
@@ -46,6 +48,8 @@ def test_a_bf16_stage_on_cuda_killed_mid_stage_resumes_on_the_same_samples(tmp_p
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = run_stage(path, 0, env={"TESSERA_SAMPLE_LOG": str(log)})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = next(x for x in resumed.stderr.splitlines() if "first step: compiled for" in x)
+    assert " 0 of " not in first.split("from the cache: ")[1], first  # the relaunch loaded its kernels
 
     # Streaming's position came back from the checkpoint: step for step the same samples as the whole run
     ref, cut = read_sample_log(tmp_path / "ref.jsonl"), read_sample_log(log)

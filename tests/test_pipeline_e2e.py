@@ -26,6 +26,9 @@ def tiny_recipe_in(tmp_path) -> str:
     raw["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     raw["tracking"]["artifact_location"] = str(tmp_path / "mlartifacts")
     raw["train"]["stages"][1]["seq_len"] = 256  # a longer-context final stage: 8 steps of 8 x 256 tokens
+    # The tests' tokenizer has 4,096 ids, already a multiple of 128: 100 pads it to 4,100 rows, so the padded
+    # vocabulary goes through training, checkpoints, the gauntlet, export and the registry here.
+    raw["model"]["vocab_multiple"] = 100
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return str(path)
@@ -161,6 +164,23 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert logs.count("fresh at 0 tokens") == 1 and "resume at 16384 tokens" in logs
     assert sum(n == "evaluate_checkpoint" for n in names) == 3
     assert sum(n == "register_checkpoint" for n in names) == 3
+
+    # the padded vocabulary all the way: 4,100 rows in every checkpoint and registered model, the 4 padded ids
+    # suppressed for every loader of the registered version, which MLflow loads and generates from
+    import mlflow.pyfunc
+    import mlflow.transformers
+
+    from trainers.format.checkpoints import list_complete
+    from trainers.format.export import embedding_rows
+
+    saved = list_complete(tmp_path / "work" / "runs" / "tiny" / "checkpoints")
+    assert saved and all(embedding_rows(c.path) == 4100 for c in saved)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parts = mlflow.transformers.load_model("models:/tessera-tiny@best", return_type="components")
+    assert parts["model"].config.vocab_size == 4100 and len(parts["tokenizer"]) == 4096
+    assert parts["model"].generation_config.suppress_tokens == [4096, 4097, 4098, 4099]
+    text = mlflow.pyfunc.load_model("models:/tessera-tiny@best").predict(["Once upon a time"], {"max_new_tokens": 4})
+    assert isinstance(text[0], str)
 
     # a rerun resumes everything: nothing is trained or registered twice
     again = pretrain_pipeline(PipelineParams(recipe=recipe))

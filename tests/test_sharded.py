@@ -124,6 +124,32 @@ def test_fsdp2_and_ddp_losses_equal_one_rank_within_fp32(sharded_reference, tmp_
             assert Path(_final(job)).is_file()
 
 
+def test_fsdp2_compiled_per_block_with_activation_checkpointing_resumes_and_matches(
+    sharded_reference, tmp_path, sources
+):
+    """train.compile on 2 FSDP2 ranks with activation checkpointing: each block's forward compiled (inductor) inside
+    FSDP2's and the checkpoint wrapper's hooks. Killed with -9 after its first checkpoint and relaunched, stage 0
+    ends with the eager reference's steps: each loss within 1e-5 (tests/test_compile.py says why compiled and eager
+    differ in the last bits), and sharded checkpoints like the eager run's."""
+    _, ref_root = sharded_reference
+    job, job_path = _job(tmp_path, sources, compile=True, parallelism={"activation_checkpointing": True})
+    log = tmp_path / "samples.jsonl"
+    proc = _launch(job_path, 0, log, fault=f"step:{6 * STEP}", procs=2)
+    assert proc.returncode in {-9, 247} | RETRYABLE | INTERRUPTED, proc.stderr[-3000:]
+    resumed = _run(job_path, 0, log, procs=2)
+    _ok(resumed, tmp_path / "logs")
+    rank0 = resumed.stdout + resumed.stderr  # rank 0 writes to the launcher's own streams
+    assert "compiling 2 decoder blocks (inductor)" in rank0 and "resume at 1024 tokens" in rank0
+    mine, reference = _losses(log), _losses(ref_root / "samples.jsonl")
+    assert list(mine) == [t * STEP for t in range(1, 11)]
+    worst = max(abs(mine[t] - reference[t]) / reference[t] for t in mine)
+    assert worst <= 1e-5, worst
+    from trainers.format.checkpoints import list_complete
+
+    assert [c.tokens for c in list_complete(job.save_folder)] == [1024, 2048, 2560]
+    assert all(Path(c.path).is_dir() for c in list_complete(job.save_folder))
+
+
 def test_kill9_of_the_group_anywhere_resumes_bitwise_exact(sharded_reference, tmp_path, sources):
     """SIGKILL of every rank at points spread over both stages: mid-step, mid-write of a shard (cut to half),
     after the manifest. The run ends with weights and optimizer moments bitwise equal to the uninterrupted

@@ -4,7 +4,9 @@ train.py           thin entrypoint: parse, build, fit, close; exit codes from ex
 jobfile.py         read + validate the TrainJob (config.py) without heavy imports
 config.py          the typed sections the recipe owns here (model, train) and the resolved TrainJob
 build.py           assemble the Composer Trainer for one stage
-model.py           the Llama-style decoder, size presets, FLOPs per token
+model.py           the Llama-style decoder, size presets, vocabulary padding, FLOPs per token
+compile.py         train.compile: each block's forward compiled, the keyed kernel cache, the compile phase
+lm_loss.py         the training loss without the logits: a chunked, fused linear cross-entropy
 data.py            one StreamingDataset epoch per stage over the stage's mixture
 schedule.py        the global LR curve (a pure function of tokens) and the callback that applies it
 layout.py          the save folder's file names, and the one place that removes a checkpoint

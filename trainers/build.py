@@ -22,10 +22,11 @@ from composer.algorithms import GradientClipping
 from composer.core import Event
 from composer.models import HuggingFaceModel
 
+from trainers import compile as compile_lib
 from trainers import folder_lock, heartbeat, preflight
 from trainers import model as model_lib
 from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
-from trainers.config import MlflowTarget, OptimConfig, Stage, TrainJob
+from trainers.config import MlflowTarget, ModelConfig, OptimConfig, Stage, TrainJob
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
@@ -34,9 +35,11 @@ from trainers.data import (
 from trainers.data_check import DamagedData, announce, verify_streams
 from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
 from trainers.faults import Probe, maybe_stall
+from trainers.format.export import embedding_rows
 from trainers.format.mlflow_model import download_model
-from trainers.format.safe_load import refusal
+from trainers.format.safe_load import UnsafeCheckpoint, refusal
 from trainers.layout import RunFolder
+from trainers.lm_loss import use_fused_loss
 from trainers.metrics_outbox import RemoteCopy, remote_copy
 from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
@@ -61,14 +64,21 @@ def world() -> tuple[int, int]:
 
 
 def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms (1-D gains), which decay would just pull toward zero."""
+    """AdamW; no weight decay on norms (1-D gains), which decay would just pull toward zero.
+
+    On CUDA the fused kernel (one launch for every parameter's update, not several per tensor group), else
+    foreach. Either is deterministic, so a resume on the same kind of device stays bitwise; their state
+    dicts are the same, so a checkpoint moves between them."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    fused = torch.cuda.is_available()
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=optim.lr,
         betas=optim.betas,
         eps=optim.eps,
+        fused=fused,
+        foreach=not fused,
     )
 
 
@@ -187,6 +197,12 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     def decide() -> dict:
         folder_lock.acquire(job.save_folder, job.run_name)
         plan = plan_start(job, stage_index)
+        if plan.checkpoint is not None:  # the rows a run keeps: trainers/build._model_config
+            try:
+                rows = embedding_rows(plan.checkpoint["path"], trust=job.train.trust_checkpoints)
+            except UnsafeCheckpoint as exc:  # refused on every relaunch: fatal, like Composer's own load of it
+                raise FatalError(str(exc)) from None
+            plan = dataclasses.replace(plan, vocab_rows=rows)
         return {"plan": dataclasses.asdict(plan), "skip": pending_skip(RunFolder.of(job), stage_index, plan.tokens)}
 
     decided = _rank0_decides(decide)
@@ -245,8 +261,9 @@ def _verify_data(job: TrainJob, stage_index: int) -> None:
     log.info("prepared data verified: %d stream(s) in %.1fs", len(streams), time.monotonic() - started)
 
 
-def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
-    """HuggingFaceModel without its causal-LM registry probe.
+def _wrap(hf_model, tokenizer, compiled: bool = False) -> HuggingFaceModel:
+    """Composer's HuggingFaceModel around the decoder, whose training loss never holds the logits
+    (trainers/lm_loss.py), without HuggingFaceModel's causal-LM registry probe.
 
     Composer's probe resolves every causal-LM class in transformers, importing each modeling
     file (and torch inductor through one of them): ~5 s idle, over 10 s on a busy node, on
@@ -259,9 +276,11 @@ def _wrap(hf_model, tokenizer) -> HuggingFaceModel:
     try:
         from composer.metrics.nlp import LanguageCrossEntropy
 
-        return HuggingFaceModel(
+        wrapped = HuggingFaceModel(
             hf_model, tokenizer=tokenizer, use_logits=True, shift_labels=True, eval_metrics=[LanguageCrossEntropy()]
         )
+        use_fused_loss(hf_model, compiled)  # after: HuggingFaceModel reads the forward's signature
+        return wrapped
     finally:
         hf_module._is_registered_causal_lm = probe
 
@@ -290,7 +309,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         log.info("stage %s is already complete", stage.name)
         return None
     checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
-    hf_model, model, init_source = _model(job, plan)
+    hf_model, model, init_source = _model(job, plan, compile_lib.wanted(job.train.compile, torch.cuda.is_available()))
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip, copy)
     if checked is not None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
@@ -375,15 +394,18 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     return plan, skip
 
 
-def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
+def _model(
+    job: TrainJob, plan: StartPlan, compiled: bool
+) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
     """The HF model, Composer's wrapper with the tokenizer, and (sharded continued pretraining only) the
     weights each rank's shards are filled from.
 
     One process or DDP: the whole model, initialised only when nothing will overwrite it. Sharded: on the
     meta device; Composer shards it and trainers/sharding.py fills each rank's shards as it is built.
+    `compiled`: each block's forward is compiled (trainers/compile.py), before Composer wraps anything.
     """
     sharded = is_sharded(job.train.parallelism, world()[1], plan.checkpoint)
-    build = (job.model, job.vocab_size, job.max_seq_len, job.eos_token_id)
+    build = (_model_config(job, plan), job.vocab_size, job.max_seq_len, job.eos_token_id)
     init_source = None
     if sharded:
         hf_model = model_lib.build_model_on_meta(*build)
@@ -395,9 +417,13 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
         with tempfile.TemporaryDirectory(prefix="tessera-init-") as tmp:  # the weights end up in memory
             source_dir = _resolve_model_uri(job.model.init_from, job.mlflow, tmp)
             if sharded:
-                init_source = model_lib.read_weights_from(hf_model, source_dir, trust=job.train.trust_checkpoints)
+                init_source = model_lib.read_weights_from(
+                    hf_model, source_dir, trust=job.train.trust_checkpoints, vocab_size=job.vocab_size
+                )
             else:
-                model_lib.load_weights_from(hf_model, source_dir, trust=job.train.trust_checkpoints)
+                model_lib.load_weights_from(
+                    hf_model, source_dir, trust=job.train.trust_checkpoints, vocab_size=job.vocab_size
+                )
     tokenizer = None
     if job.tokenizer_dir:
         from transformers import AutoTokenizer
@@ -406,7 +432,34 @@ def _model(job: TrainJob, plan: StartPlan) -> tuple[torch.nn.Module, HuggingFace
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
             local = str(fetch_folder(local, cache_dir_for(local, job.run_name)))
         tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=False)  # prepare's copy, never code
-    return hf_model, _wrap(hf_model, tokenizer), init_source
+    if compiled:
+        folder = compile_lib.use_cache(job.compile_cache_dir)
+        compile_lib.watch()
+        blocks = compile_lib.compile_blocks(hf_model, job.train.compile_backend)
+        log.info(
+            "compiling %d decoder blocks (%s); compiled kernels cached in %s", blocks, job.train.compile_backend, folder
+        )
+    return hf_model, _wrap(hf_model, tokenizer, compiled), init_source
+
+
+def _model_config(job: TrainJob, plan: StartPlan) -> ModelConfig:
+    """The recipe's model, with the vocabulary rows of the checkpoint the launch loads.
+
+    A checkpoint written before vocabulary padding (or with model.vocab_multiple 1) has exactly the tokenizer's
+    rows: the run keeps them, so it resumes as it began. Any other difference from the recipe's rows is another
+    tokenizer or another padding, and stops the launch in one line naming both shapes."""
+    rows, wanted = plan.vocab_rows, model_lib.vocab_rows(job.model, job.vocab_size)
+    if rows is None or rows == wanted:
+        return job.model
+    if rows == job.vocab_size:
+        log.info("run %s began without vocabulary padding: it keeps its %d rows", job.run_name, rows)
+        return job.model.model_copy(update={"vocab_multiple": 1})
+    raise FatalError(
+        f"{(plan.checkpoint or {}).get('path')}: the checkpoint has {rows} vocabulary rows but the recipe builds "
+        f"{wanted} (the tokenizer's {job.vocab_size} ids padded to a multiple of model.vocab_multiple "
+        f"{job.model.vocab_multiple}); resume it with the tokenizer and model.vocab_multiple it was trained with, "
+        "or start a new run name"
+    )
 
 
 def _callbacks(
@@ -444,6 +497,8 @@ def _callbacks(
         Probe(),
         saver,
     ]
+    if compile_lib.wanted(job.train.compile, torch.cuda.is_available()):
+        callbacks.insert(2, compile_lib.CompileReport())  # before the test probes: a killed step still says it
     return callbacks, metrics, rng
 
 

@@ -14,6 +14,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from trainers import heartbeat
+from trainers.compile import compiled_seconds
 from trainers.config import LossGuardConfig, MlflowTarget
 from trainers.exit_codes import LossAnomaly
 from trainers.metrics_outbox import Outbox, RemoteCopy, close_wait_s, marker_path, read_marker
@@ -237,13 +238,14 @@ class Progress(Callback):
 class Heartbeat(Callback):
     """This rank's heartbeat through Composer's loop (trainers/heartbeat.py): first_step until the first step of the
     launch ends, then data (waiting for a batch) and step (forward, backward, optimizer) in turn, eval while the
-    held-out batches are scored, close after the last step. Each step's compute time teaches the watchdog its
-    step budget. A no-op when the launcher asked for no heartbeat."""
+    held-out batches are scored, close after the last step; compile whenever torch.compile works
+    (trainers/compile.py switches to it and back). Each step's compute time, less what it spent compiling, teaches
+    the watchdog its step budget. A no-op when the launcher asked for no heartbeat."""
 
     def __init__(self, stage_name: str):
         self.stage_name = stage_name
         self.first = True
-        self._data_started = self._step_started = 0.0
+        self._data_started = self._step_started = self._compiled_before = 0.0
 
     def fit_start(self, state: State, logger: Logger) -> None:
         beat = heartbeat.current()
@@ -258,6 +260,7 @@ class Heartbeat(Callback):
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         self._step_started = time.perf_counter()
+        self._compiled_before = compiled_seconds()
         if not self.first:
             heartbeat.phase("step")
 
@@ -265,7 +268,9 @@ class Heartbeat(Callback):
         beat = heartbeat.current()
         if beat is None:
             return
-        compute_s = None if self.first else time.perf_counter() - self._step_started
+        # a step that compiled (a new microbatch size) teaches the step budget only its compute
+        compiling = compiled_seconds() - self._compiled_before
+        compute_s = None if self.first else max(0.0, time.perf_counter() - self._step_started - compiling)
         beat.progress(int(state.timestamp.batch), int(state.timestamp.token), compute_s)
         if self.first:
             self.first = False

@@ -41,6 +41,12 @@ class ModelConfig(_Strict):
     attention_dropout: float = Field(
         0.0, ge=0, lt=1, description="Dropout on the attention weights while training (LlamaConfig.attention_dropout)."
     )
+    vocab_multiple: PositiveInt = Field(
+        128,
+        description="The embedding and head get the tokenizer's vocabulary rounded up to a multiple of this many rows "
+        "(50,277 -> 50,304): an odd-sized head runs in slow matmul kernels. The tokenizer's ids do not change, the "
+        "extra rows are never a target, and the gauntlet and generation never score or emit them. 1 pads nothing.",
+    )
     init_from: str | None = Field(
         None,
         description="Continued pretraining: an HF model directory (or an MLflow 'models:/<name>/<version>' URI, "
@@ -148,7 +154,10 @@ class WatchdogConfig(_Strict):
     download_s: float = Field(600, gt=0, description="Fetching a checkpoint from the s3 save folder, plus its bytes.")
     load_s: float = Field(600, gt=0, description="Loading the checkpoint the launch resumes from, plus its bytes.")
     first_step_s: float = Field(
-        900, gt=0, description="The launch's first step: first batch, kernels compiled, memory allocated."
+        900, gt=0, description="The launch's first step: first batch, memory allocated (compiling has its own)."
+    )
+    compile_s: float = Field(
+        1800, gt=0, description="One torch.compile of a block's graph (forward or backward), with train.compile."
     )
     data_s: float = Field(600, gt=0, description="Waiting for one batch (a shard fetched from s3 included).")
     step_floor_s: float = Field(60, gt=0, description="The least a step's budget can be.")
@@ -193,6 +202,17 @@ class TrainConfig(_Strict):
         8, description="Sequences per forward pass on one device; 'auto' lets Composer search (GPU only)."
     )
     seed: int = Field(17, description="Seed for init, data shuffling and dropout.")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="Compile each decoder block with torch.compile (inductor). 'auto' compiles on GPUs, where it "
+        "about doubles throughput, and not on CPU, where compiling costs more than it gains; true compiles on CPU "
+        "too. Compiled kernels are cached across launches (trainers/compile.py).",
+    )
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor",
+        description="The torch.compile backend when compiling: 'aot_eager' traces the same graphs without generating "
+        "kernels (to tell a compiler problem from a model one).",
+    )
     precision: Literal["auto", "fp32", "amp_bf16"] = Field(
         "auto", description="'auto' is amp_bf16 on GPU and fp32 on CPU."
     )
@@ -360,6 +380,11 @@ class TrainJob(_Strict):
     )
     checkpoint_every_tokens: PositiveInt = Field(..., description="Save a checkpoint every this many tokens.")
     tokenizer_dir: str | None = Field(None, description="HF tokenizer directory saved into checkpoints.")
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Where compiled kernels outlive a launch (the run's folder); null: the temp dir. The node's "
+        "cache volume on Kubernetes wins over it (trainers/compile.py).",
+    )
     mlflow: MlflowTarget | None = Field(None, description="Metrics destination; null logs to the console only.")
 
     @property

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 # Where a node caches streamed data and fetched tokenizers; on Kubernetes, the pod's cache volume.
 CACHE_DIR_ENV = "TESSERA_CACHE_DIR"
+# Where compiled kernels are kept across launches (trainers/compile.py), over every other choice of folder.
+COMPILE_CACHE_ENV = "TESSERA_COMPILE_CACHE_DIR"
 # The process whose death stops every rank within a second (trainers/supervisor.py); set by infra/local.py.
 SUPERVISOR_PID_ENV = "TESSERA_SUPERVISOR_PID"
 # Who started this trainer (a flow run and its URL): a second trainer refused the run's folder names it.
@@ -26,7 +28,20 @@ HEARTBEAT_DIR_ENV = "TESSERA_HEARTBEAT_DIR"
 # The watchdog's budgets (JSON of trainers.config.WatchdogConfig's fields), handed by the flow to the launcher.
 WATCHDOG_ENV = "TESSERA_WATCHDOG"
 # What a rank is doing, as its heartbeat says: each phase has its own budget for going without progress.
-PHASES = ("startup", "plan", "download", "load", "first_step", "data", "step", "eval", "save", "upload", "close")
+PHASES = (
+    "startup",
+    "plan",
+    "download",
+    "load",
+    "first_step",
+    "compile",
+    "data",
+    "step",
+    "eval",
+    "save",
+    "upload",
+    "close",
+)
 HEARTBEAT_BYTES = 2048  # a heartbeat file's fixed size: rewritten in place, never truncated under a reader
 STACK_SIGNAL = "SIGUSR1"  # asks a rank to write every thread's Python stack (faulthandler)
 

@@ -59,9 +59,18 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return 64 * -(-(8 * cfg.d_model) // (3 * 64))
 
 
+def vocab_rows(cfg: ModelConfig, vocab_size: int) -> int:
+    """Rows of the embedding and the head: the tokenizer's `vocab_size` rounded up to `cfg.vocab_multiple`.
+
+    A head 50,277 wide runs in slow, odd-sized matmul kernels; 50,304 (a multiple of 128) in the fast ones.
+    The extra rows are never a target (no token has their ids); the gauntlet and generation mask them out."""
+    return -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+
+
 def llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int) -> LlamaConfig:
+    """`vocab_size` is the tokenizer's; the model gets vocab_rows of it."""
     return LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=vocab_rows(cfg, vocab_size),
         hidden_size=cfg.d_model,
         intermediate_size=ffn_hidden(cfg),
         num_hidden_layers=cfg.n_layers,
@@ -163,7 +172,9 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> FlopsPerToken:
-    """Analytic count, so it works for presets without building a 7B model on the meta device."""
+    """Analytic count, so it works for presets without building a 7B model on the meta device.
+
+    `vocab_size` is the tokenizer's: the head's padded rows are work no token needs, so MFU does not count them."""
     d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
     kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
     per_block = d * d + 2 * d * kv_dim + d * d + 3 * d * f  # q, k, v, o, gate/up/down
@@ -172,10 +183,11 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> FlopsPer
 
 
 def total_params(cfg: ModelConfig, vocab_size: int) -> int:
+    """Every weight the model holds, the embedding's padded rows included (`vocab_size` is the tokenizer's)."""
     d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
     kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
     per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
-    embeddings = vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    embeddings = vocab_rows(cfg, vocab_size) * d * (1 if cfg.tie_embeddings else 2)
     return L * per_block + embeddings + d
 
 
@@ -187,22 +199,33 @@ def checkpoint_bytes(cfg: ModelConfig, vocab_size: int) -> int:
     return CHECKPOINT_BYTES_PER_PARAM * total_params(cfg, vocab_size)
 
 
-def load_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool = False) -> LlamaForCausalLM:
+def load_weights_from(
+    model: LlamaForCausalLM, source_dir: str, *, trust: bool = False, vocab_size: int | None = None
+) -> LlamaForCausalLM:
     """Continued pretraining: copy an HF model directory's weights into `model`, which was built from the recipe.
 
     Building from the recipe and copying (rather than adopting the directory's config) keeps one
     source of truth for the architecture; a directory that does not fit is refused by name.
     """
-    model.load_state_dict(read_weights_from(model, source_dir, trust=trust), strict=True)
+    model.load_state_dict(read_weights_from(model, source_dir, trust=trust, vocab_size=vocab_size), strict=True)
     return model
 
 
-def read_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool = False) -> dict[str, torch.Tensor]:
+PADDED_KEYS = ("model.embed_tokens.weight", "lm_head.weight")  # the tensors with a row per vocabulary id
+
+
+def read_weights_from(
+    model: LlamaForCausalLM, source_dir: str, *, trust: bool = False, vocab_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """An HF model directory's weights by parameter name, after checking they fit `model` (which may be on the
     meta device: a sharded launch fills each rank's shards from them, trainers/sharding.py). A sharded
     checkpoint folder of another run is read the same way (its model tensors only); a registry version (an
     MLflow Model) through the HF folder its MLmodel names. Nothing in the folder runs unless `trust`
-    (train.trust_checkpoints): a refusal is a FatalError naming the file."""
+    (train.trust_checkpoints): a refusal is a FatalError naming the file.
+
+    A source with exactly the tokenizer's `vocab_size` rows where `model` has padded rows (a model trained
+    before vocabulary padding, or with model.vocab_multiple 1) is the same vocabulary: its rows are copied
+    and the padding rows start at zero (they are never a target). Any other difference is refused."""
     from pathlib import Path
 
     source = None
@@ -217,13 +240,21 @@ def read_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool =
     except UnsafeCheckpoint as exc:
         raise FatalError(f"model.init_from: {exc}") from None
     ours = model.config
+    pad_from = None
+    if vocab_size is not None and theirs.vocab_size == vocab_size < ours.vocab_size:
+        pad_from = vocab_size
+    elif theirs.vocab_size != ours.vocab_size:
+        raise FatalError(
+            f"model.init_from: {source_dir} has {theirs.vocab_size} vocabulary rows but the recipe builds "
+            f"{ours.vocab_size}"
+            + (f" (its tokenizer's {vocab_size} ids padded by model.vocab_multiple)" if vocab_size else "")
+        )
     for field, name in [
         ("num_hidden_layers", "n_layers"),
         ("hidden_size", "d_model"),
         ("num_attention_heads", "n_heads"),
         ("num_key_value_heads", "n_kv_heads"),
         ("intermediate_size", "ffn_hidden"),
-        ("vocab_size", "vocab_size"),
         ("tie_word_embeddings", "tie_embeddings"),
     ]:
         if getattr(theirs, field, None) != getattr(ours, field):
@@ -236,4 +267,10 @@ def read_weights_from(model: LlamaForCausalLM, source_dir: str, *, trust: bool =
             source = load_hf_causal_lm(folders.model, trust=trust, torch_dtype=torch.float32)
         except UnsafeCheckpoint as exc:
             raise FatalError(f"model.init_from: {exc}") from None
-    return source.state_dict()
+    weights = source.state_dict()
+    if pad_from is not None:
+        for key in PADDED_KEYS:
+            if key in weights:
+                rows = weights[key]
+                weights[key] = torch.cat([rows, rows.new_zeros(ours.vocab_size - pad_from, *rows.shape[1:])])
+    return weights

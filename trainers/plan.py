@@ -45,6 +45,7 @@ class StartPlan:
     load_path: str | None  # what Composer loads when autoresume finds nothing (the previous stage's end)
     tokens: int  # tokens of the run already trained at the start point
     checkpoint: dict | None = None  # CheckpointInfo of the checkpoint loaded (resume or enter)
+    vocab_rows: int | None = None  # the embedding rows of that checkpoint (trainers/build.py decides on them)
 
 
 def plan_start(job: TrainJob, stage_index: int) -> StartPlan:

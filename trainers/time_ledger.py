@@ -2,8 +2,8 @@
 
 `<save_folder>/<run>-time.jsonl` (mirrored to an s3 save folder): the launch's process start, the moment
 of the record, the tokens it had reached, and the seconds spent so far in each phase of its heartbeat
-(trainers/heartbeat.py: startup, plan, download, load, first_step, data, step, eval, save, upload,
-close). A record is written only once its checkpoint is published, so the steps it counts are steps
+(trainers/heartbeat.py: startup, plan, download, load, first_step, compile, data, step, eval, save,
+upload, close). A record is written only once its checkpoint is published, so the steps it counts are steps
 that stay; whatever a launch did after its last record, until it died, was lost, and the flow's
 goodput ledger (tasks/goodput.py) counts it so. Appended and flushed, fsynced with the checkpoint's
 own files; a line cut short by a kill is skipped on reading.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainers.format import safe_load
 from trainers.format.meta import parameters_on_meta
-from trainers.format.sharded import load_hf_sharded, model_class
+from trainers.format.sharded import MODEL_PREFIX, load_hf_sharded, model_class, tensor_keys
 
 
 def load_hf(ckpt_path: str | Path, *, trust: bool = False):
@@ -45,11 +45,34 @@ def load_hf(ckpt_path: str | Path, *, trust: bool = False):
     return model.eval(), tokenizer
 
 
+def embedding_rows(ckpt_path: str | Path, *, trust: bool = False) -> int:
+    """Rows of the input embedding a Composer checkpoint (file or sharded folder) holds, read from its index or
+    its pickle alone (the file is memory-mapped: no tensor's bytes are read)."""
+    if Path(ckpt_path).is_dir():
+        shapes = tensor_keys(ckpt_path, MODEL_PREFIX, trust=trust)
+    else:
+        model = safe_load.load(ckpt_path, trust=trust, mmap=True)["state"]["model"]
+        shapes = {key: tuple(value.shape) for key, value in model.items()}
+    key = next(k for k in shapes if k.endswith("embed_tokens.weight"))
+    return int(shapes[key][0])
+
+
+def never_emit_padding(model, tokenizer) -> None:
+    """A model with more vocabulary rows than its tokenizer has ids (trainers/model.vocab_rows) never generates
+    a padded id: `generate` suppresses them, in this process and wherever the saved model is loaded (the
+    generation config travels with it: pyfunc, `mlflow.transformers`, a plain `from_pretrained`)."""
+    rows, ids = model.get_input_embeddings().weight.shape[0], len(tokenizer)
+    if rows > ids:
+        model.generation_config.suppress_tokens = list(range(ids, rows))
+
+
 def export_hf(ckpt_path: str | Path, out_dir: str | Path, *, trust: bool = False) -> Path:
     """Write config.json + model.safetensors (+ the tokenizer files) for `ckpt_path` into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_hf(ckpt_path, trust=trust)
+    if tokenizer is not None:
+        never_emit_padding(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
