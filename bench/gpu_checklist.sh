@@ -18,9 +18,17 @@ python3 -c "import trainers.build, evaluation.runner" 2>&1 | tail -4
 echo "== 1. pytest -m gpu"
 timeout "${GPU_TESTS_S:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider --noconftest tests/test_gpu.py 2>&1 \
   | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|Error|error|assert" | tail -12
-echo "== 2. bench/mfu.py"
-timeout "${MFU_S:-240}" python3 bench/mfu.py --steps "${MFU_STEPS:-20}" --warmup 6 > "$OUT/mfu.log" 2>&1
-echo "rc=$?"; tail -c 1500 "$OUT/mfu.log"
+echo "== 2. bench/mfu.py (tessera's trainer against a plain compiled loop, same process)"
+timeout "${MFU_S:-300}" python3 bench/mfu.py --presets ${MFU_PRESETS:-125m 350m 1b} --steps "${MFU_STEPS:-8}" --warmup 3 \
+  > "$OUT/mfu.log" 2>&1
+echo "rc=$?"; grep -E "^(125m|350m|1b) " "$OUT/mfu.log"; tail -c 1500 "$OUT/mfu.log"
+echo "== 3. a relaunch's time to its first step, cold and warm compile cache (350M)"
+timeout "${RESUME_S:-240}" python3 bench/resume.py --compile --preset 350m --seq-len 2048 --batch 16 --repeats 1 \
+  > "$OUT/resume-compile.log" 2>&1
+echo "rc=$?"; tail -c 800 "$OUT/resume-compile.log"
+echo "== 3b. bench/loss_memory.py (350M, microbatch 16 x 2048: the fused loss against transformers')"
+timeout "${LOSSMEM_S:-180}" python3 bench/loss_memory.py > "$OUT/loss-memory.log" 2>&1
+echo "rc=$?"; tail -c 800 "$OUT/loss-memory.log"
 echo "== 4. bench/checkpoint_time.py"
 timeout "${CKPT_S:-240}" python3 bench/checkpoint_time.py > "$OUT/checkpoint_time.log" 2>&1
 echo "rc=$?"; tail -c 1500 "$OUT/checkpoint_time.log"

@@ -59,20 +59,34 @@ def compiled_seconds(stderr: str) -> float:
     return float(line.split("compiled for ")[1].split(" s")[0])
 
 
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main_compile(args) -> None:
     from tests.support.training import tiny_job, write_job, write_mds
     from trainers.config import StageConfig
+    from trainers.model import PRESETS
 
-    seq, batch = 32, 8
+    seq, batch, vocab = args.seq_len, args.batch, 512 if args.preset == "tiny" else 50277
     step = seq * batch
     steps = 20
     with tempfile.TemporaryDirectory(prefix="tessera-resume-compile-") as tmp:
-        src = write_mds(Path(tmp) / "src", steps * batch, seq, 512, seed=0)
+        src = write_mds(Path(tmp) / "src", steps * batch, seq, vocab, seed=0)
         stages = [StageConfig(name="bench", tokens=steps * step, mixture={"src": 1.0})]
         root = Path(tmp) / "run"
         root.mkdir()
         job = tiny_job(
-            root, {"src": str(src)}, stages, seq_len=seq, global_batch_size=batch, checkpoint_every_tokens=2 * step
+            root,
+            {"src": str(src)},
+            stages,
+            seq_len=seq,
+            vocab_size=vocab,
+            global_batch_size=batch,
+            checkpoint_every_tokens=2 * step,
+            model=PRESETS[args.preset],
         )
         job = job.model_copy(update={"train": job.train.model_copy(update={"compile": True})})
         path = write_job(job, root / "job.json")
@@ -97,7 +111,8 @@ def main_compile(args) -> None:
                 "compile_s": {k: round(min(v), 2) for k, v in compiling.items()},
                 "runs_s": {k: [round(v, 2) for v in vs] for k, vs in timings.items()},
                 "goal": {"warm_over_cold": 0.5},
-                "device": "cpu",
+                "preset": args.preset,
+                "device": _device(),
             }
         )
     )
@@ -109,6 +124,9 @@ def main() -> None:
     parser.add_argument("--late", type=int, default=400, help="steps before the late checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="Cold against warm compile cache (train.compile).")
+    parser.add_argument("--preset", default="tiny", help="With --compile: the model (350m on a GPU).")
+    parser.add_argument("--seq-len", type=int, default=32, help="With --compile.")
+    parser.add_argument("--batch", type=int, default=8, help="With --compile: the global batch.")
     args = parser.parse_args()
     if args.compile:
         main_compile(args)
