@@ -124,6 +124,7 @@ def make_job(
         checkpoint_every_tokens=every,
         tokenizer_dir=prepared.tokenizer.uri or str(prepared.tokenizer.hf_dir),
         mlflow=mlflow,
+        compile_cache_dir=str(run_dir / "compile-cache"),  # a pod uses its node's cache volume instead
     )
 
 

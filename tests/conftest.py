@@ -422,6 +422,7 @@ _LONGEST_FIRST = [
     "test_train_ops.py",
     "test_pipeline_e2e.py",
     "test_continued.py",
+    "test_compile.py",
     "test_k8s_faults.py",
     "test_metrics_outbox_s3.py",
     "test_disk_full.py",
