@@ -103,7 +103,7 @@ def _recipe_model():
     from trainers.config import ModelConfig
     from trainers.model import build_model
 
-    return build_model(ModelConfig(ffn_hidden=128), 50277, 128, 0, seed=1)
+    return build_model(ModelConfig(ffn_hidden=128, vocab_multiple=1), 50277, 128, 0, seed=1)
 
 
 def _pod(args: list[str], stdin: str = "") -> subprocess.CompletedProcess:
