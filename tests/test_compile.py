@@ -110,14 +110,9 @@ def test_a_microbatch_size_compiles_once_and_never_again(monkeypatch):
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from tests.support.training import write_mds
+    from tests.support.training import two_sources
 
-    root = tmp_path_factory.mktemp("data")
-    write_mds(root / "b_val", 24, SEQ, 512, seed=9, low=256)
-    return {
-        "a": str(write_mds(root / "a", 200, SEQ, 256, seed=1)),
-        "b": str(write_mds(root / "b", 200, SEQ, 512, seed=2, low=256)),
-    }
+    return two_sources(tmp_path_factory.mktemp("data"), SEQ)
 
 
 def _stage0(root: Path, sources, fault: str | None = None, **kw):

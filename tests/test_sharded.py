@@ -27,14 +27,9 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from tests.support.training import write_mds
+    from tests.support.training import two_sources
 
-    root = tmp_path_factory.mktemp("data")
-    write_mds(root / "b_val", 24, SEQ, 512, seed=9, low=256)
-    return {
-        "a": str(write_mds(root / "a", 200, SEQ, 256, seed=1)),
-        "b": str(write_mds(root / "b", 200, SEQ, 512, seed=2, low=256)),
-    }
+    return two_sources(tmp_path_factory.mktemp("data"), SEQ)
 
 
 def _run(job_path, stage, log, procs, **kw):

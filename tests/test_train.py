@@ -370,14 +370,9 @@ def test_keep_last_k_retires_sharded_folders_whole_and_a_withdrawn_one_is_kept_a
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from tests.support.training import write_mds
+    from tests.support.training import two_sources
 
-    root = tmp_path_factory.mktemp("data")
-    write_mds(root / "b_val", 24, SEQ, 512, seed=9, low=256)  # held out from b: 3 batches, scored at checkpoints
-    return {
-        "a": str(write_mds(root / "a", 200, SEQ, 256, seed=1)),
-        "b": str(write_mds(root / "b", 200, SEQ, 512, seed=2, low=256)),
-    }
+    return two_sources(tmp_path_factory.mktemp("data"), SEQ)  # b_val: 3 batches held out from b, scored at checkpoints
 
 
 def _job(root: Path, sources, **kw):

@@ -34,6 +34,17 @@ def write_mds(out: str | Path, n_samples: int, seq_len: int, vocab_size: int, se
     return Path(out)
 
 
+def two_sources(root: str | Path, seq_len: int = 32) -> dict[str, str]:
+    """The training tests' two sources, `a` (ids below 256) and `b` (256 to 511), and b's held-out split `b_val`
+    beside them: a mixture's samples are recognisable by value."""
+    root = Path(root)
+    write_mds(root / "b_val", 24, seq_len, 512, seed=9, low=256)
+    return {
+        "a": str(write_mds(root / "a", 200, seq_len, 256, seed=1)),
+        "b": str(write_mds(root / "b", 200, seq_len, 512, seed=2, low=256)),
+    }
+
+
 def write_hf_tokenizer(out: str | Path, vocab_size: int | None = None) -> Path:
     """An HF tokenizer directory: GPT-NeoX's, or a byte-level BPE of `vocab_size` trained on a little Shakespeare
     (small vocabularies keep test models and checkpoints small)."""
