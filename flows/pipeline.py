@@ -230,6 +230,8 @@ def run_pipeline(
     logger = get_run_logger()
     flow_run_id = flow_run.id
     run_folder(recipe.work_dir, run_name)  # a name that would escape the runs folder: one line, before anything
+    for line in recipe.notices():
+        logger.warning("%s", line)
     allow_launches()  # an earlier flow run in this same process may have stopped its jobs
     _tag_flow_run(flow_run_id, ["tessera", f"recipe:{recipe.name}", run_tag(run_name)])
     with one_per_run(run_name, if_running, flow_run_id):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -20,7 +21,7 @@ from infra.config import ComputeConfig
 from tasks.data.config import DataConfig
 from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
-from trainers.config import ModelConfig, TrainConfig, batch_alignment_error
+from trainers.config import NAME_RESERVE, ModelConfig, TrainConfig, batch_alignment_error
 
 
 class RecipeError(ValueError):
@@ -34,12 +35,36 @@ NAME_PATTERN = r"^[A-Za-z0-9_.-]{0,}[A-Za-z0-9_-][A-Za-z0-9_.-]{0,}$"
 
 
 def run_folder(work_dir: str | Path, run_name: str) -> Path:
-    """<work_dir>/runs/<run_name>, refused in one line if the name would resolve anywhere else."""
+    """<work_dir>/runs/<run_name>, refused in one line if the name would resolve anywhere else, or if a file
+    named after it would be longer than the work dir's file system allows (trainers/layout.NAME_RESERVE)."""
     runs = Path(work_dir).resolve() / "runs"
     folder = (runs / run_name).resolve()
     if folder.parent != runs or not re.fullmatch(NAME_PATTERN, run_name):
         raise RecipeError(f"run name {run_name!r}: must name a folder inside {runs} (letters, digits, '.', '_', '-')")
+    most = longest_run_name(runs)
+    if len(run_name.encode()) > most:
+        raise RecipeError(
+            f"run name {run_name[:40]!r}... is {len(run_name.encode())} characters; at most {most} fit: the file "
+            f"system of {_existing(runs)} allows names of {most + NAME_RESERVE} bytes and tessera adds up to "
+            f"{NAME_RESERVE} to a run's name in its checkpoint files"
+        )
     return folder
+
+
+def longest_run_name(folder: str | Path) -> int:
+    """The longest run name whose files fit the file system holding `folder` (255-byte names: 191)."""
+    try:
+        name_max = os.pathconf(_existing(folder), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    return name_max - NAME_RESERVE
+
+
+def _existing(path: str | Path) -> Path:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 class Recipe(BaseModel):
@@ -93,6 +118,11 @@ class Recipe(BaseModel):
             elif value is not None:
                 out[prefix] = (json.dumps(value) if isinstance(value, list) else str(value))[:6000]
 
+        # A pod's plain environment is named, never valued: values belong in the recipe artifact, not in params
+        # every reader of the experiment sees (credentials are refused there anyway, infra/config.py).
+        kube = (dump["compute"].get("kubernetes") or {}) if isinstance(dump["compute"], dict) else {}
+        if kube.get("env"):
+            kube["env"] = ",".join(sorted(kube["env"]))
         for section in ("model", "eval", "compute"):
             flatten(section, dump[section])
         train = {k: v for k, v in dump["train"].items() if k != "stages"}
@@ -129,6 +159,22 @@ class Recipe(BaseModel):
                     f"{self.tracking.tracking_uri}: pods log to "
                     "MLflow over the network; use an http(s):// tracking server",
                 )
+
+    def notices(self) -> list[str]:
+        """What a recipe may mean but should not mean by accident: one line each, said when a run starts.
+
+        A stage shorter than `eval.every` gets no checkpoint inside it, only the one at its end: no gauntlet
+        or model version until then, and a failure inside it re-trains it from its start. That is right for a
+        short anneal stage, so it is said, not refused."""
+        said = []
+        for i, stage in enumerate(self.train.stages):
+            if stage.tokens < self.eval.every:
+                said.append(
+                    f"train.stages[{i}] ({stage.name}): {stage.tokens:,} tokens, fewer than eval.every "
+                    f"({self.eval.every:,}): its only checkpoint, gauntlet and model version come at its end, and a "
+                    "failure inside it re-trains it from its start"
+                )
+        return said
 
     def _check_batch_split(self) -> None:
         """Every stage's global batch splits evenly over the ranks, and each rank's share into microbatches: the

@@ -15,8 +15,11 @@ Backend = Literal["local", "kubernetes"]
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-# Names of plain `env` entries that look like credentials: those go through a Secret, never a manifest.
-_SECRET_LIKE = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.IGNORECASE)
+# Names of plain `env` entries that look like credentials: those go through a Secret, never a manifest or an
+# MLflow param. Broad on purpose: a refused name costs a line in a Secret, a leaked key costs a rotation.
+_SECRET_LIKE = re.compile(r"(KEY|AUTH|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|USERNAME|PRIVATE|COOKIE|SESSION)", re.I)
+# A value that is a URL with a password in it (postgres://user:pass@host/db, https://user:token@host).
+_URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
 class _Kube(BaseModel):
@@ -250,9 +253,19 @@ class KubernetesConfig(_Kube):
     @field_validator("env")
     @classmethod
     def _no_inline_secrets(cls, env: dict[str, str]) -> dict[str, str]:
-        leaked = sorted(k for k in env if _SECRET_LIKE.search(k))
-        if leaked:
-            raise ValueError(f"{', '.join(leaked)}: credentials go in a Secret (s3_credentials / mlflow_credentials)")
+        """Never the value in the message: it is the secret."""
+        named = sorted(k for k in env if _SECRET_LIKE.search(k))
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: looks like a credential (its name); credentials go in a Secret "
+                "(s3_credentials / mlflow_credentials), never in env"
+            )
+        in_urls = sorted(k for k, v in env.items() if _URL_WITH_PASSWORD.search(str(v)))
+        if in_urls:
+            raise ValueError(
+                f"{', '.join(in_urls)}: its value is a URL with a password in it; credentials go in a Secret "
+                "(s3_credentials / mlflow_credentials), never in env"
+            )
         return env
 
 

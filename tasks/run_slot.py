@@ -15,11 +15,19 @@ A slot can also outlive its holder: when the Prefect server restarts, a lease re
 (410 Gone) while the slot stays counted, and nothing frees it. So the flow run that holds the slot
 says so with a tag on itself (`holder_tag`), and a run that finds the slot taken checks the holder:
 a slot no live flow run holds, seen twice RECLAIM_CONFIRM_S apart, is reclaimed with a log line.
+
+And a holder can die without ending: `tessera run` killed with -9 (an OOM kill, a lost node) takes its
+temporary Prefect server with it, so its flow run stays Running in the database and the slot's lease,
+kept in the server's memory, is gone with the server. The holder also tags itself with its process
+(`process_tag`: host, pid, start time); a run that finds the slot taken marks such a holder Crashed when
+its process is gone from this host, and the slot is then reclaimed like any orphan. `if_running=wait`
+looks again every round, so it never waits on a dead run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Literal
 
@@ -143,6 +151,53 @@ def live_holder(run_name: str, me: str | None) -> str:
     return f"flow run {run.name!r} ({run.id}{f', {ui}/runs/flow-run/{run.id}' if ui else ''})"
 
 
+def process_tag() -> str:
+    """This process as a flow-run tag: `proc:<host>:<pid>:<start>` (the start tells a reused pid apart)."""
+    import psutil
+
+    me = psutil.Process()
+    return f"proc:{socket.gethostname()}:{me.pid}:{int(me.create_time())}"
+
+
+def _process_gone(tag: str) -> str | None:
+    """Why the process a `proc:` tag names is gone, or None when it lives or is on another host (not ours to tell:
+    there the lease, which outlives no server restart on Kubernetes' persistent server, frees the slot)."""
+    import psutil
+
+    try:
+        _, host, pid, start = tag.split(":")
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        proc = psutil.Process(int(pid))
+        if abs(proc.create_time() - int(start)) <= 1 and proc.status() != psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.NoSuchProcess:
+        pass
+    return f"its process {pid} on {host} is gone"
+
+
+def crash_dead_holders(run_name: str, me: str | None) -> list[str]:
+    """Mark *Crashed* every live-looking flow run of `run_name` whose process is gone (a flow process killed with
+    -9, an OOM kill, a lost node's CLI run: its server state stays Running for ever); the names of those marked."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    marked = []
+    for run in _live_runs(run_tag(run_name), me):
+        why = next((w for t in run.tags if t.startswith("proc:") and (w := _process_gone(t))), None)
+        if why is None:
+            continue
+        message = f"crashed: {why} (found by the next run of {run_name!r}); its last complete checkpoint stays"
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        get_run_logger().warning("run %s: flow run %r (%s) was left Running: %s", run_name, run.name, run.id, message)
+        marked.append(run.name)
+    return marked
+
+
 def _held_slots(name: str) -> int:
     from prefect.client.orchestration import get_client
 
@@ -163,6 +218,7 @@ def reclaim_orphaned(run_name: str, me: str | None, confirm_s: float = RECLAIM_C
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
     name = limit_name(run_name)
+    crash_dead_holders(run_name, me)
     for look in range(2):
         if _held_slots(name) == 0 or _live_runs(holder_tag(run_name), me):
             return False
@@ -186,7 +242,7 @@ def _tag_holder(run_name: str, flow_run_id: str | None) -> None:
 
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(flow_run_id).tags
-        client.update_flow_run(flow_run_id, tags=sorted(set(current) | {holder_tag(run_name)}))
+        client.update_flow_run(flow_run_id, tags=sorted(set(current) | {holder_tag(run_name), process_tag()}))
 
 
 @contextlib.contextmanager

@@ -43,6 +43,34 @@ def test_a_full_disk_is_found_anywhere_in_the_chain_and_is_fatal():
     assert classify(RuntimeError("unexpected pos")) == ExitCode.RETRYABLE
 
 
+def test_a_name_the_file_system_refuses_stops_the_trainer_in_one_fatal_line(tmp_path):
+    """A run name too long for the disk (as a job written by hand could have): the first state file fails with
+    ENAMETOOLONG, which no relaunch gets past, so the trainer exits fatal in one line naming it, not retryable."""
+    from tests.support.training import run_stage, tiny_job, write_job, write_mds
+    from trainers.config import StageConfig
+    from trainers.disk import permanent_fault
+    from trainers.exit_codes import ExitCode, classify
+
+    assert classify(RuntimeError("wrapped")) == ExitCode.RETRYABLE
+    for code in (errno.ENAMETOOLONG, errno.EROFS, errno.EACCES):
+        fault = OSError(code, os.strerror(code), "/data/x")
+        try:
+            try:
+                raise fault
+            except OSError:
+                raise RuntimeError("wrapped") from None
+        except RuntimeError as wrapped:
+            assert permanent_fault(wrapped) is fault and classify(wrapped) == ExitCode.FATAL
+
+    src = write_mds(tmp_path / "src", 16, 32, 512, seed=0)
+    job = tiny_job(tmp_path, {"src": str(src)}, [StageConfig(name="s", tokens=4 * 256, mixture={"src": 1.0})])
+    job = job.model_copy(update={"run_name": "r" * 236})
+    proc = run_stage(write_job(job, tmp_path / "job.json"), 0)
+    assert proc.returncode == ExitCode.FATAL, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if "File name too long" in x]
+    assert len(lines) == 1 and "no relaunch gets past" in lines[0] and "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not can_unshare_mounts(), reason="needs `unshare -m` to give the work dir a small disk of its own")
 def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_resumes(prefect_harness, tmp_path):

@@ -121,3 +121,93 @@ def test_a_refusal_ends_the_flow_run_refused_with_its_reason_and_no_error_log(pr
         assert time.monotonic() < deadline, text
         time.sleep(0.5)
     assert "exited with unexpected exception" not in text and "Traceback" not in text
+
+
+def test_a_holder_whose_process_is_gone_is_marked_crashed_and_its_slot_freed(prefect_harness):
+    """What a `tessera run` killed with -9 leaves: its flow run Running for ever, the slot counted, no lease. The next
+    run of the name sees the holder's process is gone, marks it Crashed, frees the slot with a log line, and runs."""
+    import socket
+    import subprocess
+
+    import psutil
+    from prefect.states import Running
+
+    name = f"dead-{uuid.uuid4().hex[:8]}"
+    ensure_limit(limit_name(name))
+    gone = subprocess.Popen(["sleep", "60"])
+    started = int(psutil.Process(gone.pid).create_time())
+    gone.kill()
+    gone.wait()
+    with get_client(sync_client=True) as client:
+        client.increment_concurrency_slots(names=[limit_name(name)], slots=1, mode="concurrency")
+        tags_ = [run_tag(name), holder_tag(name), f"proc:{socket.gethostname()}:{gone.pid}:{started}"]
+        dead = client.create_flow_run(hold, parameters={"run_name": name}, tags=tags_)
+        client.set_flow_run_state(dead.id, Running(), force=True)
+
+    state = run_held(name)
+    assert state.is_completed(), state.message
+    assert slots(name) == 0
+    with get_client(sync_client=True) as client:
+        ended = client.read_flow_run(dead.id).state
+    assert (
+        ended.type.value == "CRASHED" and f"its process {gone.pid} on {socket.gethostname()} is gone" in ended.message
+    )
+    deadline = time.monotonic() + 30
+    flow_run_id = state.state_details.flow_run_id
+    said = ("was left Running", f"reclaimed the slot of concurrency limit {limit_name(name)}")
+    while not all(line in (text := flow_run_logs(flow_run_id)) for line in said):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_tessera_run_killed_with_its_whole_process_group_reruns_at_once_and_resumes_bitwise(tmp_path):
+    """kill -9 of the whole `tessera run` process group (flow, temporary Prefect server, trainer) after the first
+    checkpoint, as a crashed or OOM-killed node would: the rerun starts at once, with no hand work, resumes, and
+    ends with the weights of an uninterrupted run of the same recipe."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+
+    from tests.conftest import ROOT, tiny_recipe
+    from tests.support.training import model_tensors
+    from trainers.format.checkpoints import list_complete
+
+    recipe = tiny_recipe(tmp_path)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["train"]["stages"] = [{"name": "only", "tokens": 16384, "mixture": {"literary": 0.5, "stories": 0.5}}]
+    raw["eval"]["every"] = 8192
+    recipe.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def tessera(run: str, **kw):
+        cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", run]
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
+        )
+
+    killed = tessera("kills", start_new_session=True)
+    save = tmp_path / "work" / "runs" / "kills" / "checkpoints"
+    deadline = time.monotonic() + 600
+    while not list_complete(save):
+        assert killed.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+
+    rerun = tessera("kills")
+    out, _ = rerun.communicate(timeout=900)
+    assert rerun.returncode == 0, out[-3000:]
+    assert "was left Running" in out and "is already running" not in out
+    assert "resuming run kills from the checkpoint at 8,192 tokens" in out
+
+    reference = tessera("ref")
+    out, _ = reference.communicate(timeout=900)
+    assert reference.returncode == 0, out[-3000:]
+    mine = model_tensors(list_complete(save)[-1].path)
+    theirs = model_tensors(list_complete(tmp_path / "work" / "runs" / "ref" / "checkpoints")[-1].path)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

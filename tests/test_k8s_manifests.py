@@ -231,13 +231,53 @@ def test_no_secret_value_in_any_manifest():
     assert by_ref == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     assert all("value" not in e for e in env if e["name"] in by_ref)
     assert "MLFLOW_TRACKING_PASSWORD" not in json.dumps(js)  # envFrom names the Secret, not its keys
-    with pytest.raises(ValueError, match="AWS_SECRET_ACCESS_KEY: credentials go in a Secret"):
+    with pytest.raises(ValueError, match="AWS_SECRET_ACCESS_KEY: looks like a credential"):
         compute(
             {
                 **GPU_TWO_NODES,
                 "kubernetes": {**GPU_TWO_NODES["kubernetes"], "env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}},
             }
         )
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("WANDB_API_KEY", "wk-hunter2"),
+        ("OPENAI_API_KEY", "sk-hunter2"),
+        ("HF_HUB_AUTH", "hunter2"),
+        ("MLFLOW_TRACKING_USERNAME", "hunter2"),
+        ("GITHUB_TOKEN", "hunter2"),
+        ("DATABASE_URL", "postgres://admin:hunter2@db.internal:5432/runs"),
+        ("UPLOAD_URI", "https://ci:hunter2@artifacts.example.com/x"),
+    ],
+)
+def test_credential_looking_env_is_refused_by_its_name_or_value_and_the_value_is_never_said(name, value, tmp_path):
+    """The recipe's one-line error names the variable and the way (a Secret), never the value."""
+    from flows.recipe import RecipeError, load_recipe
+
+    raw = yaml.safe_load((ROOT / "configs" / "k8s-1b.yaml").read_text())
+    raw["compute"]["kubernetes"]["env"] = {name: value}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(tmp_path / "r.yaml")
+    said = str(refused.value)
+    assert len(said.splitlines()) == 1 and "compute.kubernetes.env" in said
+    assert name in said and "Secret" in said and "hunter2" not in said
+
+
+def test_plain_env_is_accepted_and_only_its_names_become_mlflow_params(tmp_path):
+    """A URL without a password, NCCL's settings: accepted, in the manifests, and in MLflow's params by name only."""
+    from flows.recipe import load_recipe
+
+    env = {"AWS_ENDPOINT_URL": "https://s3.example.com", "NCCL_DEBUG": "INFO"}
+    raw = yaml.safe_load((ROOT / "configs" / "k8s-1b.yaml").read_text())
+    raw["compute"]["kubernetes"]["env"] = env
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    params = load_recipe(tmp_path / "r.yaml").tracked_params()
+    assert params["compute.kubernetes.env"] == "AWS_ENDPOINT_URL,NCCL_DEBUG"
+    assert not any(k.startswith("compute.kubernetes.env.") for k in params)
+    assert "s3.example.com" not in json.dumps(params) and "INFO" not in json.dumps(params)
 
 
 def test_cpu_variant_and_kueue_label():

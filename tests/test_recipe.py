@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -163,3 +164,32 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_anything_starts():
     assert load_recipe(TINY).train.device_microbatch_size == 8
     ok = tiny_text().replace("procs_per_node: 1", "procs_per_node: 4")
     assert parse_recipe(ok, "r.yaml").compute.procs_per_node == 4  # 8 over 4 ranks, microbatch clamped to 2
+
+
+def test_a_run_name_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys):
+    """A 236-character run name used to train three launches, each failing at its first state file: now the
+    name is refused before anything runs, saying how long a name may be on this file system."""
+    from flows.cli import main
+    from flows.recipe import longest_run_name, run_folder
+    from tests.conftest import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path)
+    most = longest_run_name(tmp_path)
+    assert most == os.pathconf(tmp_path, "PC_NAME_MAX") - 64
+    run_folder(tmp_path / "work", "r" * most)  # the longest that fits
+    for name in ("r" * (most + 1), "r" * 300):
+        capsys.readouterr()
+        assert main(["run", str(recipe), "--run-name", name]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0]
+        assert f"is {len(name)} characters; at most {most} fit" in err[0] and err[0].startswith("tessera: error: ")
+
+
+def test_a_stage_shorter_than_eval_every_is_said_not_refused():
+    """Its only checkpoint comes at its end: right for a short anneal stage, so a notice, not an error."""
+    assert load_recipe(TINY).notices() == []
+    short = parse_recipe(tiny_text().replace("tokens: 16384", "tokens: 8192"), "r.yaml")
+    assert short.notices() == [
+        "train.stages[1] (stories): 8,192 tokens, fewer than eval.every (16,384): its only checkpoint, gauntlet and "
+        "model version come at its end, and a failure inside it re-trains it from its start"
+    ]

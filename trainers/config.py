@@ -20,6 +20,11 @@ from pydantic import (
     model_validator,
 )
 
+# The most characters tessera adds to a run's name in a file name of its save folder: the longest is a set-aside
+# checkpoint, `<run>-s<K>-tok<T>-rank0.pt.unpublished` (44 with a 15-digit token count), with room to spare.
+# A run name longer than the file system's name limit less this is refused before anything runs (flows/recipe.py).
+NAME_RESERVE = 64
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -13,6 +13,17 @@ import shutil
 from pathlib import Path
 
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# File-system faults that a relaunch meets again, byte for byte: a name longer than the file system allows, a
+# read-only or forbidden folder, a path through a file. (EIO, a vanished mount, a stale handle may pass.)
+PERMANENT_ERRNOS = (
+    errno.ENAMETOOLONG,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ELOOP,
+)
 
 
 def no_space(exc: BaseException | None) -> BaseException | None:
@@ -31,6 +42,24 @@ def no_space(exc: BaseException | None) -> BaseException | None:
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def permanent_fault(exc: BaseException | None) -> OSError | None:
+    """The OSError in `exc`'s chain that no relaunch gets past (PERMANENT_ERRNOS), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def fault_line(error: OSError) -> str:
+    """One line naming the path and what the file system said, shortened where the path itself is the fault."""
+    path = str(error.filename or "")
+    shown = f"{path[:80]}...({len(path)} characters)" if len(path) > 120 else path
+    return f"{shown}: {error.strerror or error}; a file-system fault no relaunch gets past"
 
 
 def human_bytes(n: float) -> str:

@@ -22,7 +22,7 @@ import errno
 from enum import IntEnum
 
 from trainers import contract
-from trainers.disk import no_space
+from trainers.disk import no_space, permanent_fault
 
 
 class ExitCode(IntEnum):
@@ -133,7 +133,7 @@ def classify(exc: BaseException) -> ExitCode:
     """
     if isinstance(exc, FatalError):
         return ExitCode.FATAL
-    if no_space(exc) is not None:  # anywhere in the chain: a relaunch fills the same disk
+    if no_space(exc) is not None or permanent_fault(exc) is not None:  # a relaunch meets the same disk
         return ExitCode.FATAL
     if isinstance(exc, InfrastructureError):
         return ExitCode.INTERRUPTED

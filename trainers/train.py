@@ -14,7 +14,7 @@ import signal
 import sys
 
 from trainers import heartbeat
-from trainers.disk import full_disk_line, no_space
+from trainers.disk import fault_line, full_disk_line, no_space, permanent_fault
 from trainers.exit_codes import (
     ExitCode,
     FatalError,
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         if full is not None:  # a checkpoint, the metrics journal, a log: a relaunch would fill the same disk
             where = job.save_folder if job is not None else "."
             return fatal(FatalError(full_disk_line(full, where, FREE_SPACE_FIX)))
+        fault = permanent_fault(exc)
+        if fault is not None:  # a name too long, a read-only folder: named, and not retried
+            return fatal(FatalError(fault_line(fault)))
         code = classify(exc)
         if code == ExitCode.RETRYABLE and supervisor_gone():
             code = ExitCode.INTERRUPTED
