@@ -6,7 +6,13 @@ Two sources, no new instrumentation:
 - each launch's time records (trainers/time_ledger.py): rank 0's seconds per heartbeat phase, written
   at every checkpoint and at the stage's end, so they count only work a checkpoint kept.
 
-The buckets, which add up to the wall time from the first launch's start to the last one's end:
+The wall a run is charged is its launches' time plus the gaps the system caused between them: the relaunch
+delay and Prefect's retry backoff inside one flow run. It is not the calendar. Two things are left out, and the
+ledger says how much of each: the time between two flow runs of the run (a person's pause before a rerun, a
+schedule's week), and launches that found their stage already complete (a rerun with nothing to do). So a
+no-op rerun leaves the figure as it was, and a run resumed a day later is not charged the day.
+
+The buckets, which add up to that wall:
     productive  steps that a checkpoint kept (the data wait and step phases)
     startup     launching the processes, imports, the rendezvous, planning, the first step
     compile     torch.compile compiling the model's graphs (train.compile), on a launch's first steps
@@ -44,6 +50,12 @@ WORDS = {
 }
 
 
+LEFT_OUT = {
+    "between_flow_runs": "between flow runs (a person's pause, a schedule's wait)",
+    "no_op_launches": "launches that found their stage already complete",
+}
+
+
 @dataclass
 class Goodput:
     wall_s: float = 0.0
@@ -51,17 +63,24 @@ class Goodput:
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     launches: int = 0
     tokens: int = 0
+    left_out: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LEFT_OUT, 0.0))
 
     @property
     def ratio(self) -> float:
         return self.buckets["productive"] / self.wall_s if self.wall_s > 0 else 0.0
 
+    def stage_ratio(self, stage: str) -> tuple[float, float]:
+        """(goodput, wall seconds) of one stage's own launches and the gaps inside them."""
+        buckets = self.stages.get(stage, {})
+        wall = sum(buckets.values())
+        return (buckets.get("productive", 0.0) / wall if wall > 0 else 0.0), wall
+
     def markdown(self, run_name: str) -> str:
         rows = [
             f"### Goodput of run {run_name}: {self.ratio:.1%}",
             "",
-            f"{self.launches} launch(es), {self.tokens:,} tokens; the wall time runs from the first launch's start "
-            "to the last one's end.",
+            f"{self.launches} launch(es), {self.tokens:,} tokens; the wall is the launches' time and the gaps the "
+            "system caused between them (relaunches, retries), not the calendar.",
             "",
             "| where the time went | seconds | share |",
             "|---|---:|---:|",
@@ -70,10 +89,13 @@ class Goodput:
             seconds = self.buckets[name]
             rows.append(f"| {WORDS[name]} | {seconds:,.1f} | {seconds / self.wall_s if self.wall_s else 0:.1%} |")
         rows.append(f"| **wall** | **{self.wall_s:,.1f}** | **100%** |")
+        left = [f"{LEFT_OUT[k]}: {v:,.1f} s" for k, v in self.left_out.items() if v > 0]
+        rows += ["", f"Left out of the wall: {'; '.join(left)}." if left else "Nothing was left out of the wall."]
         return "\n".join(rows)
 
     def metrics(self) -> dict[str, float]:
         out = {f"goodput/{name}_s": round(seconds, 3) for name, seconds in self.buckets.items()}
+        out |= {f"goodput/left_out/{name}_s": round(seconds, 3) for name, seconds in self.left_out.items()}
         return out | {"goodput/ratio": round(self.ratio, 5), "goodput/wall_s": round(self.wall_s, 3)}
 
 
@@ -120,20 +142,37 @@ def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Good
     if not launches:
         return result
     stages: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(BUCKETS, 0.0))
-    previous_end = None
+    previous: dict | None = None
     for launch in launches:
+        if _no_op(launch):
+            result.left_out["no_op_launches"] += max(0.0, launch["ended"] - launch["started"])
+            continue
         mine = [r for r in records if launch["started"] - 1 <= r["process_start"] <= launch["ended"]]
         part = _launch_buckets(launch, sorted(mine, key=lambda r: r["at"]))
-        if previous_end is not None:
-            part["idle"] += max(0.0, launch["started"] - previous_end)
-        previous_end = max(previous_end or 0.0, launch["ended"])
+        if previous is not None:
+            gap = max(0.0, launch["started"] - previous["ended"])
+            if _same_flow_run(previous, launch):  # the relaunch delay, a Prefect retry's backoff
+                part["idle"] += gap
+            else:  # a person's pause, a schedule's week: not the run's time
+                result.left_out["between_flow_runs"] += gap
+        previous = launch if previous is None or launch["ended"] >= previous["ended"] else previous
         _add(result.buckets, part)
         _add(stages[launch["stage"]], part)
         result.tokens = max(result.tokens, int(launch.get("tokens_after") or 0))
-    result.wall_s = previous_end - launches[0]["started"]
+        result.launches += 1
+    result.wall_s = sum(result.buckets.values())
     result.stages = dict(stages)
-    result.launches = len(launches)
     return result
+
+
+def _no_op(launch: dict) -> bool:
+    """A launch that ended well having trained nothing: it found its stage already complete."""
+    return launch.get("kind") == "ok" and (launch.get("tokens_after") or 0) == (launch.get("tokens_before") or 0)
+
+
+def _same_flow_run(a: dict, b: dict) -> bool:
+    """Whether two launches belong to one flow run (launches recorded before the flow run was, never)."""
+    return a.get("flow_run") is not None and a.get("flow_run") == b.get("flow_run")
 
 
 def chart(goodput: Goodput, path: Path) -> Path:

@@ -26,6 +26,7 @@ from typing import Literal
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect.states import Cancelled
 
 from infra import allow_launches, backend_for, stopping
@@ -213,6 +214,7 @@ def train_stage(
                 "tokens_after": _newest_tokens(spec, compute),
                 "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
                 "pending_s": round(getattr(job, "pending_s", 0.0), 3),  # in the cluster's queue (Kubernetes)
+                "flow_run": str(flow_run.id) if flow_run.id else None,  # gaps inside one flow run are the run's
             },
         )
         if kind == "ok":
@@ -371,15 +373,20 @@ def report_goodput(job: TrainJob, run_dir: str, stage_name: str) -> float | None
     except Exception as exc:  # noqa: BLE001
         get_run_logger().warning("stage %s: the goodput report failed: %s", stage_name, exc)
         return None
-    if goodput.launches:
+    if goodput.launches and stage_name in goodput.stages:
+        ratio, wall = goodput.stage_ratio(stage_name)
+        own = goodput.stages[stage_name]
         get_run_logger().info(
-            "stage %s: goodput %.1f%% of %.0f s (productive %.0f s, lost %.0f s, hung %.0f s)",
+            "stage %s: goodput %.1f%% of its %.0f s (productive %.0f s, lost %.0f s, hung %.0f s); the run so far "
+            "%.1f%% of %.0f s",
             stage_name,
+            100 * ratio,
+            wall,
+            own["productive"],
+            own["lost"],
+            own["hung"],
             100 * goodput.ratio,
             goodput.wall_s,
-            goodput.buckets["productive"],
-            goodput.buckets["lost"],
-            goodput.buckets["hung"],
         )
     return goodput.ratio
 

@@ -32,12 +32,12 @@ def _run(tmp_path):
     launch_ledger.append(
         run_dir,
         {"stage": "s", "started": T0, "ended": T0 + 100, "code": -9, "kind": "preempted", "hung": None,
-         "tokens_before": 0, "tokens_after": 2048, "stopped": False, "pending_s": 0.0},
+         "tokens_before": 0, "tokens_after": 2048, "stopped": False, "pending_s": 0.0, "flow_run": "f1"},
     )  # fmt: skip
     launch_ledger.append(
         run_dir,
         {"stage": "s", "started": T0 + 105, "ended": T0 + 200, "code": 0, "kind": "ok", "hung": None,
-         "tokens_before": 2048, "tokens_after": 4096, "stopped": False, "pending_s": 0.0},
+         "tokens_before": 2048, "tokens_after": 4096, "stopped": False, "pending_s": 0.0, "flow_run": "f1"},
     )  # fmt: skip
     phases = dict.fromkeys(("startup", "plan", "download", "load", "first_step", "data", "step", "eval"), 0.0)
     first = phases | {"startup": 3, "first_step": 5, "step": 45, "data": 5}  # 58 s, to the checkpoint at T0 + 60
@@ -75,6 +75,44 @@ def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost
         "idle": 5 + 1 + 1,  # the relaunch delay, the second's close and its exit
     }
     assert sum(goodput.buckets.values()) == goodput.wall_s and goodput.ratio == 125 / 200
+
+
+def test_goodput_measures_the_run_not_the_calendar(tmp_path):
+    """A rerun a day later (another flow run) that resumes, then a rerun with nothing to do: the day between them
+    and the no-op launch are left out, and said; the figure is the one of the same launches back to back."""
+    from tasks import launch_ledger
+    from tasks.goodput import compute
+
+    _, run_dir, job = _run(tmp_path)
+    before = compute(run_dir, job.save_folder, "r")
+    day = 86_400.0
+    launch_ledger.append(
+        run_dir,
+        {"stage": "s", "started": T0 + 200 + day, "ended": T0 + 230 + day, "code": 0, "kind": "ok", "hung": None,
+         "tokens_before": 4096, "tokens_after": 4096, "stopped": False, "pending_s": 0.0, "flow_run": "f2"},
+    )  # fmt: skip
+    after = compute(run_dir, job.save_folder, "r")
+    assert (after.ratio, after.wall_s, after.buckets) == (before.ratio, before.wall_s, before.buckets)
+    assert after.left_out == {"between_flow_runs": 0.0, "no_op_launches": 30.0}
+    assert "Left out of the wall: launches that found their stage already complete: 30.0 s." in after.markdown("r")
+
+    # the second launch of the run, had it been started by a person a day later, in its own flow run
+    records = launch_ledger.read(run_dir)[:2]
+    records[1] |= {"flow_run": "f3", "started": records[1]["started"] + day, "ended": records[1]["ended"] + day}
+    launch_ledger.path(run_dir).unlink()
+    for record in records:
+        launch_ledger.append(run_dir, record)
+    (run_dir / "ckpt" / "r-time.jsonl").write_text(
+        "".join(
+            json.dumps(r | ({"process_start": r["process_start"] + day, "at": r["at"] + day} if r["pid"] == 2 else {}))
+            + "\n"
+            for r in map(json.loads, (run_dir / "ckpt" / "r-time.jsonl").read_text().splitlines()[:2])
+        )
+    )
+    later = compute(run_dir, job.save_folder, "r")
+    assert later.left_out["between_flow_runs"] == day + 5  # the gap between the two flow runs, not charged
+    assert later.wall_s == before.wall_s - 5 and later.buckets["idle"] == before.buckets["idle"] - 5
+    assert later.stage_ratio("s") == (later.ratio, later.wall_s)  # one stage: its own figure is the run's
 
 
 def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(tmp_path):

@@ -153,3 +153,86 @@ def test_a_shared_memory_prefix_taken_meanwhile_is_looked_for_again(tmp_path, mo
     data = write_mds(tmp_path / "mds", n_samples=8, seq_len=16, vocab_size=64, seed=0)
     dataset = TokenSamples(seq_len=16, local=str(data), batch_size=2)
     assert len(raised) == 1 and len(dataset) == 8 and dataset[3]["input_ids"].shape == (16,)
+
+
+def _two_ranks(rank: int, init: str, local: str, mine: bool, out: str) -> None:  # mp.spawn passes the rank first
+    """One of two ranks of one node choosing the dataset's prefix while another job registers one between their
+    scans: rank 1's own scan finds a prefix 5 further on than rank 0's (what a concurrent registration shows it)."""
+    import json
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import streaming.base.shared as shared
+    import streaming.base.shared.prefix as prefix
+    import torch.distributed as dist
+
+    import trainers.shm as ours
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0")
+    # a bounded group: a peer that died fails the test in a minute instead of leaving this rank waiting
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    if rank == 1:
+        scan = prefix._check_and_find_retrying
+        prefix._check_and_find_retrying = lambda *a, **k: scan(*a, **k) + 5
+    choose = ours.get_shm_prefix if mine else shared.get_shm_prefix
+    try:
+        found, shm = choose([local], [None], SimpleNamespace(is_local_leader=rank == 0))
+        result = {"prefix": found}
+    except RuntimeError as exc:
+        result = {"error": str(exc)}
+    Path(out.format(rank)).write_text(json.dumps(result))
+    dist.barrier()
+    if "prefix" in result:
+        shm.cleanup()
+    dist.destroy_process_group()
+
+
+def test_the_ranks_of_a_node_take_their_first_ranks_prefix_whatever_their_own_scan_finds(tmp_path):
+    """Streaming lets each rank pick the prefix it scanned for: a prefix registered between two ranks' scans (another
+    job on the host) splits them, and the launch dies. With trainers/shm.leader_decides_prefixes the node's first
+    rank alone scans and registers, and the other takes its prefix."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    data = str(tmp_path / "local")
+    said = {}
+    for mine in (False, True):
+        out = str(tmp_path / f"{'tessera' if mine else 'streaming'}-{{}}.json")
+        mp.spawn(_two_ranks, args=(f"file://{tmp_path / f'store-{mine}'}", data, mine, out), nprocs=2, join=True)
+        said[mine] = [json.loads(Path(out.format(r)).read_text()) for r in (0, 1)]
+    streaming, tessera = said[False], said[True]
+    assert "error" not in streaming[0] and "was not registered by local leader" in streaming[1]["error"]
+    assert tessera[0] == tessera[1] and "error" not in tessera[0]  # one prefix for the node
+
+
+def test_two_two_rank_launches_at_once_on_one_host_both_train(tmp_path):
+    """Two runs' 2-rank launches started together on one machine (as two jobs on a shared GPU node): each node's
+    first rank registers its datasets' prefixes under the host's lock, both launches train their stage."""
+    import threading
+
+    from tests.support.training import run_stage, tiny_job, two_sources, write_job
+    from trainers.config import StageConfig
+
+    sources = two_sources(tmp_path / "data")
+    stages = [StageConfig(name="s", tokens=6 * 256, mixture={"a": 0.5, "b": 0.5})]
+    done: dict[str, object] = {}
+    paths = {}
+    for run in ("left", "right"):
+        (tmp_path / run).mkdir()
+        job = tiny_job(
+            tmp_path / run, sources, stages, run_name=run, val_streams={"b": str(tmp_path / "data" / "b_val")}
+        )
+        paths[run] = write_job(job, tmp_path / run / "job.json")
+    threads = [
+        threading.Thread(target=lambda r=run: done.setdefault(r, run_stage(paths[r], 0, procs=2, timeout=600)))
+        for run in paths
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for run, proc in done.items():
+        errors = "".join(p.read_text()[-1500:] for p in (tmp_path / run / "logs").glob("*.err"))
+        assert proc.returncode == 0, (run, proc.stderr[-2000:], errors)
+        assert "does not match local leader" not in proc.stderr + errors

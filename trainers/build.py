@@ -52,7 +52,7 @@ from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
 from trainers.schedule import GlobalLRSchedule
 from trainers.sharding import average_gradients_over_gloo, is_sharded, parallelism_config, shard_initialised
-from trainers.shm import clean_stale_streaming_shm
+from trainers.shm import clean_stale_streaming_shm, leader_decides_prefixes
 
 log = logging.getLogger("tessera.train")
 T = TypeVar("T")
@@ -383,6 +383,7 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
     # segments no live process maps, while the node's other ranks wait; a live job's stay.
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         clean_stale_streaming_shm()
+    leader_decides_prefixes()  # before any dataset: another job on this host may be making its own
     if world_size > 1:
         from composer.utils import dist
 
