@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainers.contract import HEARTBEAT_DIR_ENV, PHASES, WATCHDOG_ENV
+from trainers.contract import DIST_TIMEOUT_ENV, DIST_TIMEOUT_S, HEARTBEAT_DIR_ENV, PHASES, WATCHDOG_ENV
 
 STACKS_WAIT_S = 3.0  # for every rank's faulthandler to write its stacks
 
@@ -46,6 +46,7 @@ class Budgets:
     upload_s: float = 600
     close_s: float = 900
     bytes_per_s: float = 50e6
+    size_factor: float = 3
     poll_s: float = 2
     no_progress_launches: int = 3
     slow_rank_factor: float = 1.5
@@ -60,21 +61,61 @@ class Budgets:
         budgets = cls(**{k: v for k, v in json.loads(text).items() if k in known})
         return budgets if budgets.enabled else None
 
-    def of(self, beat: dict) -> tuple[float, str]:
-        """(seconds, how they were reckoned) that `beat`'s phase may go without progress."""
+    def of(self, beat: dict, collective_s: float | None = None) -> tuple[float, str]:
+        """(seconds, how they were reckoned) that `beat`'s phase may go without progress.
+
+        Learned from the work where the launch has measured it, within a floor and a ceiling: a step, an eval batch
+        and a wait for a batch get `step_factor` x the rank's recent p99 of that work (an eval batch, which no rank
+        has timed yet, that of a step, which computes more); a size-bound phase (a save, a load) `size_factor` x
+        its bytes at the write speed this launch's saves measured (before one has, `bytes_per_s`). The floor is
+        `step_floor_s`; the ceiling is the phase's own `<phase>_s` (plus the bytes at `bytes_per_s`). With several
+        ranks (`collective_s`: the process group's timeout less a margin), no phase in which the others wait for
+        this rank in a collective may outlast that timeout, which would turn a hang into a failure."""
         phase = beat.get("phase", "startup")
-        if phase == "step":
-            p99 = beat.get("step_p99_s")
-            learned = self.step_factor * p99 if p99 else 0.0
-            if learned > self.step_floor_s:
-                return learned, f"{self.step_factor:g} x the recent steps' p99 of {p99:.2f} s"
-            return self.step_floor_s, f"the step floor; {self.step_factor:g} x p99 {p99 or 0:.2f} s is less"
+        budget, why = self._learned(phase, beat)
+        if collective_s is not None and int(beat.get("world") or 1) > 1 and phase in COLLECTIVE_PHASES:
+            if budget > collective_s:
+                return collective_s, f"{why}, cut to the process group's collective timeout less a margin"
+        return budget, why
+
+    def _learned(self, phase: str, beat: dict) -> tuple[float, str]:
+        if phase in ("step", "eval", "data"):
+            p99 = beat.get(f"{phase}_p99_s") or (beat.get("step_p99_s") if phase == "eval" else None)
+            ceiling = self.eval_s if phase == "eval" else self.data_s if phase == "data" else float("inf")
+            if not p99:
+                if phase == "step":
+                    return self.step_floor_s, "the step floor; no step timed yet"
+                return ceiling, f"the {phase} budget; none timed yet"
+            learned, work = self.step_factor * p99, WORK[phase]
+            whose = "" if phase == "step" else f"{work}' "  # the step's own wording, as the logs have always said it
+            if learned <= self.step_floor_s:
+                return self.step_floor_s, f"the step floor; {self.step_factor:g} x {whose}p99 {p99:.2f} s is less"
+            if learned >= ceiling:
+                return ceiling, f"the {phase} ceiling; {self.step_factor:g} x {whose}p99 {p99:.2f} s is more"
+            return learned, f"{self.step_factor:g} x the recent {work}' p99 of {p99:.2f} s"
         base = getattr(self, f"{phase}_s", self.startup_s)
         hint = int(beat.get("hint_bytes") or 0)
-        if hint:
-            extra = hint / self.bytes_per_s
-            return base + extra, f"{base:.0f} s + {hint / 1e9:.2f} GB at {self.bytes_per_s / 1e6:.0f} MB/s"
-        return base, f"the {phase} budget"
+        if not hint:
+            return base, f"the {phase} budget"
+        ceiling = base + hint / self.bytes_per_s
+        speed = float(beat.get("write_bytes_per_s") or 0) if phase == "save" else 0.0
+        rate = speed or self.bytes_per_s
+        learned = max(self.step_floor_s, self.size_factor * hint / rate)
+        measured = f"{rate / 1e6:.0f} MB/s {'measured' if speed else 'assumed'}"
+        if learned >= ceiling:
+            return ceiling, f"{base:.0f} s + {hint / 1e9:.2f} GB at {self.bytes_per_s / 1e6:.0f} MB/s"
+        return learned, f"{self.size_factor:g} x {hint / 1e9:.2f} GB at {measured}, at least {self.step_floor_s:.0f} s"
+
+
+WORK = {"step": "steps", "eval": "eval batches", "data": "waits for a batch"}
+# The phases inside the training loop: a rank silent in one of them leaves its peers waiting in a collective.
+COLLECTIVE_PHASES = ("step", "eval", "data", "save")
+COLLECTIVE_MARGIN_S = 15.0  # the watchdog's poll, its stacks and the kill all fit before the group's own timeout
+
+
+def collective_budget(dist_timeout_s: float, poll_s: float) -> float:
+    """The most a silent rank of a multi-rank launch may be given: the process group's timeout less a margin."""
+    return max(poll_s, dist_timeout_s - COLLECTIVE_MARGIN_S - 2 * poll_s)
 
 
 def budgets_env(budgets: dict) -> dict[str, str]:
@@ -127,9 +168,18 @@ class Hang:
 class Watchdog:
     """The heartbeats of one node's ranks, judged against their budgets."""
 
-    def __init__(self, folder: Path, budgets: Budgets, ranks: list[int], started: float | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        budgets: Budgets,
+        ranks: list[int],
+        started: float | None = None,
+        dist_timeout_s: float | None = None,
+    ):
         self.folder, self.budgets, self.ranks = Path(folder), budgets, ranks
         self.started = time.time() if started is None else started
+        timeout = float(os.environ.get(DIST_TIMEOUT_ENV, DIST_TIMEOUT_S)) if dist_timeout_s is None else dist_timeout_s
+        self.collective_s = collective_budget(timeout, budgets.poll_s)
         self._last: dict[int, dict] = {}
 
     def beats(self) -> dict[int, dict]:
@@ -158,7 +208,7 @@ class Watchdog:
                 beat = {"rank": rank, "phase": "startup", "host": "", "node": "", "pid": None}
             else:
                 silent = now - float(beat.get("beat", now))
-                budget, why = self.budgets.of(beat)
+                budget, why = self.budgets.of(beat, self.collective_s)
             over = over or silent > budget
             pid = beat.get("pid")
             judged.append(

@@ -149,10 +149,12 @@ def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Good
             continue
         mine = [r for r in records if launch["started"] - 1 <= r["process_start"] <= launch["ended"]]
         part = _launch_buckets(launch, sorted(mine, key=lambda r: r["at"]))
+        result.wall_s += launch["ended"] - launch["started"]
         if previous is not None:
             gap = max(0.0, launch["started"] - previous["ended"])
             if _same_flow_run(previous, launch):  # the relaunch delay, a Prefect retry's backoff
                 part["idle"] += gap
+                result.wall_s += gap
             else:  # a person's pause, a schedule's week: not the run's time
                 result.left_out["between_flow_runs"] += gap
         previous = launch if previous is None or launch["ended"] >= previous["ended"] else previous
@@ -160,7 +162,6 @@ def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Good
         _add(stages[launch["stage"]], part)
         result.tokens = max(result.tokens, int(launch.get("tokens_after") or 0))
         result.launches += 1
-    result.wall_s = sum(result.buckets.values())
     result.stages = dict(stages)
     return result
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.watchdog import Budgets, Watchdog, process_state
+from infra.watchdog import Budgets, Watchdog, collective_budget, process_state
 from trainers.config import StageConfig, WatchdogConfig
 
 SEQ, BATCH = 32, 8
@@ -36,7 +36,36 @@ def test_each_phase_has_its_budget_and_the_step_budget_is_learned():
     # a 7B model's checkpoint (about 12 bytes a parameter) gets its bytes at 50 MB/s on top of the save budget
     seconds, why = b.of({"phase": "save", "hint_bytes": 84_000_000_000})
     assert seconds == 600 + 1680 and why == "600 s + 84.00 GB at 50 MB/s"
-    assert b.of({"phase": "first_step"})[0] == 900 and b.of({"phase": "eval"})[0] == 900
+    assert b.of({"phase": "first_step"})[0] == 900 and b.of({"phase": "eval"})[0] == 900  # nothing timed yet
+
+
+def test_budgets_come_from_the_work_within_a_floor_a_ceiling_and_the_collective_timeout():
+    """Eval batches and waits for a batch are budgeted like steps, from their own p99 (an eval batch not yet timed:
+    from the step's); a save from its bytes at the speed this launch's saves wrote, 3 x, at least the floor; with
+    several ranks nothing in the training loop outlasts the process group's timeout (300 s, less a margin)."""
+    b = Budgets()
+    assert b.of({"phase": "eval", "step_p99_s": 0.1}) == (60, "the step floor; 10 x eval batches' p99 0.10 s is less")
+    assert b.of({"phase": "eval", "eval_p99_s": 20.0})[0] == 200
+    assert b.of({"phase": "eval", "eval_p99_s": 200.0}) == (
+        900,
+        "the eval ceiling; 10 x eval batches' p99 200.00 s is more",
+    )
+    assert b.of({"phase": "data", "data_p99_s": 0.01})[0] == 60 and b.of({"phase": "data", "data_p99_s": 12})[0] == 120
+    tiny = {"phase": "save", "hint_bytes": 40_000_000}  # the demo's checkpoint: a frozen save is caught in a minute
+    assert b.of(tiny)[0] == 60
+    assert b.of({"phase": "save", "hint_bytes": 4_000_000_000, "write_bytes_per_s": 400e6})[0] == 60  # 3 x 10 s: floor
+    seconds, why = b.of({"phase": "save", "hint_bytes": 40_000_000_000, "write_bytes_per_s": 400e6})
+    assert seconds == 300 and why == "3 x 40.00 GB at 400 MB/s measured, at least 60 s"
+    seconds, why = b.of({"phase": "save", "hint_bytes": 40_000_000_000})
+    assert seconds == 600 + 800 and why == "600 s + 40.00 GB at 50 MB/s"  # unmeasured: 3 x 800 s, over the ceiling
+    # two ranks: a rank frozen in an eval batch or a long save is caught before gloo's 300 s turn it into a failure
+    cap = collective_budget(300, b.poll_s)
+    assert cap == 300 - 15 - 4
+    eval_beat = {"phase": "eval", "eval_p99_s": 200.0, "world": 2}
+    assert b.of(eval_beat, cap) == (cap, "the eval ceiling; 10 x eval batches' p99 200.00 s is more, cut to the "
+                                     "process group's collective timeout less a margin")  # fmt: skip
+    assert b.of({**eval_beat, "world": 1}, cap)[0] == 900  # alone, no peer waits: the ceiling
+    assert b.of({"phase": "compile", "world": 2}, cap)[0] == 1800  # every rank compiles at once: not capped
     # the recipe's train.watchdog reaches the launcher as JSON with the same fields
     assert Budgets.from_json(json.dumps(WatchdogConfig(step_floor_s=5).model_dump())) == Budgets(step_floor_s=5)
     assert Budgets.from_json(json.dumps(WatchdogConfig(enabled=False).model_dump())) is None
@@ -302,3 +331,69 @@ def test_a_slowed_rank_is_reported_with_its_rank(prefect_harness, tmp_path, sour
     assert [(m.step, m.value) for m in probes["slow_ranks"]] == [(0, 1.0)]
     assert probes["matmul_gflops_min"][0].step == 0 and probes["matmul_gflops_min"][0].value > 0
     assert [m.step for m in client.get_metric_history(run_id, "preflight/allreduce_gb_per_s")] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sharding, rank, phase, floor",
+    [
+        ("NO_SHARD", 1, "eval", 60.0),  # the issue's case, at the default budgets: gloo's 300 s used to fire first
+        ("FULL_SHARD", 0, "save", 15.0),
+        ("NO_SHARD", 0, "data", 15.0),
+        ("FULL_SHARD", 1, "step", 15.0),
+    ],
+)
+def test_a_rank_frozen_in_any_phase_is_caught_as_a_hang_before_the_collective_timeout(
+    prefect_harness, tmp_path, source, monkeypatch, sharding, rank, phase, floor
+):
+    """One rank of two SIGSTOPped in a step, a held-out eval batch, a checkpoint save or a wait for a batch (DDP and
+    FSDP2): the watchdog names that rank and phase within the phase's learned budget (the floor, `floor` s: the
+    tiny model's work is far under it), well before the process group's 300 s would have failed the launch as a
+    lost peer; the launch is recorded as a preemption with the frozen rank, and the relaunch finishes the stage."""
+    from tests.support.training import tiny_job, write_job, write_mds
+
+    val = write_mds(tmp_path / "val", 24, SEQ, 512, seed=9)
+    job = tiny_job(
+        tmp_path,
+        {"a": source},
+        [StageConfig(name="s", tokens=32 * STEP, mixture={"a": 1.0})],
+        seq_len=SEQ,
+        global_batch_size=BATCH,
+        checkpoint_every_tokens=16 * STEP,
+        val_streams={"a": str(val)},
+        val_batches=3,
+        parallelism={"sharding": sharding},
+        watchdog=WatchdogConfig(poll_s=1, step_floor_s=floor),
+    )
+    job_path = write_job(job, tmp_path / "job.json")
+    at = 16 * STEP if phase in ("eval", "save") else 20 * STEP  # the first checkpoint's eval and save; a mid-run step
+    monkeypatch.setenv("TESSERA_FREEZE", f"rank:{at}:{phase}")
+    monkeypatch.setenv("TESSERA_FREEZE_RANK", str(rank))
+    monkeypatch.setenv("TESSERA_FREEZE_ONCE", str(tmp_path / "frozen.json"))
+    outcome, logs = _run_stage(job_path)
+    assert outcome == 0, outcome
+    frozen = json.loads((tmp_path / "frozen.json").read_text())
+    first, second = _ledger(job_path)
+    hung = first["hung"]
+    assert first["kind"] == "preempted" and second["kind"] == "ok", first
+    assert (hung["rank"], hung["phase"], hung["stopped"]) == (rank, phase, True), hung
+    assert hung["budget_s"] == floor and floor <= hung["silent_s"] <= floor + 10, hung
+    detected = first["ended"] - frozen["at"]
+    assert detected < floor + 30 < 300 - 15, detected  # caught, stacks written and killed long before gloo's 300 s
+    said = [m for m in logs if "the watchdog found" in m]
+    assert len(said) == 1 and f"found rank {rank} (" in said[0] and f"hung in phase {phase}" in said[0]
+    print(f"frozen rank {rank} in {phase} ({sharding}): killed {detected:.1f} s after the freeze; {os.getloadavg()}")
+
+
+@pytest.mark.slow
+def test_a_slow_save_that_keeps_writing_is_never_killed(prefect_harness, tmp_path, source, monkeypatch):
+    """A throttled writer (a fault hook: rank 0's save writes 1 KB every half second for 30 s before the checkpoint)
+    under an 8 s save budget: the save's growth keeps the heartbeat beating, so the watchdog never calls it hung,
+    and the one launch ends well. A frozen save, which writes nothing, is caught (the test above)."""
+    monkeypatch.setenv("TESSERA_FAULT", "slow-save:30")
+    job, job_path = _job(tmp_path, source, steps=16, step_floor_s=8.0, save_s=8, bytes_per_s=1e12)
+    started = time.time()
+    outcome, logs = _run_stage(job_path, ranks=1)
+    assert outcome == 0, outcome
+    assert [r["kind"] for r in _ledger(job_path)] == ["ok"]
+    assert time.time() - started > 30 and not [m for m in logs if "the watchdog found" in m]

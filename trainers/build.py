@@ -27,6 +27,7 @@ from trainers import folder_lock, heartbeat, preflight
 from trainers import model as model_lib
 from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
 from trainers.config import MlflowTarget, ModelConfig, OptimConfig, Stage, TrainJob
+from trainers.contract import DIST_TIMEOUT_ENV, DIST_TIMEOUT_S
 from trainers.data import (
     build_stage_data,
     build_val_evaluators,
@@ -375,7 +376,7 @@ def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
         # port right after can race a peer still leaving the old one.
         from composer.utils import dist, get_device
 
-        device, timeout = get_device(None), float(os.environ.get("TESSERA_DIST_TIMEOUT", "300"))
+        device, timeout = get_device(None), float(os.environ.get(DIST_TIMEOUT_ENV, DIST_TIMEOUT_S))
         init_process_group(device.dist_backend.lower(), timeout)  # its store listens only where the launcher said
         dist.initialize_dist(device, timeout)  # Composer's checks; the group exists already
     plan, skip = _plan(job, stage_index)
@@ -550,5 +551,5 @@ def _run_args(job: TrainJob, stage: Stage, plan: StartPlan, hf_model: torch.nn.M
         "progress_bar": False,
         "log_to_console": False,
         "load_progress_bar": False,
-        "dist_timeout": float(os.environ.get("TESSERA_DIST_TIMEOUT", 300)),
+        "dist_timeout": float(os.environ.get(DIST_TIMEOUT_ENV, DIST_TIMEOUT_S)),
     }

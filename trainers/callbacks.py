@@ -245,7 +245,7 @@ class Heartbeat(Callback):
     def __init__(self, stage_name: str):
         self.stage_name = stage_name
         self.first = True
-        self._data_started = self._step_started = self._compiled_before = 0.0
+        self._data_started = self._step_started = self._compiled_before = self._eval_started = 0.0
 
     def fit_start(self, state: State, logger: Logger) -> None:
         beat = heartbeat.current()
@@ -261,7 +261,9 @@ class Heartbeat(Callback):
     def after_dataloader(self, state: State, logger: Logger) -> None:
         self._step_started = time.perf_counter()
         self._compiled_before = compiled_seconds()
-        if not self.first:
+        beat = heartbeat.current()
+        if not self.first and beat is not None:
+            beat.learn("data", self._step_started - self._data_started)  # the data wait's budget learns from it
             heartbeat.phase("step")
 
     def batch_end(self, state: State, logger: Logger) -> None:
@@ -279,9 +281,13 @@ class Heartbeat(Callback):
     def eval_start(self, state: State, logger: Logger) -> None:
         heartbeat.phase("eval")
 
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        self._eval_started = time.perf_counter()
+
     def eval_batch_end(self, state: State, logger: Logger) -> None:
         beat = heartbeat.current()
         if beat is not None:
+            beat.learn("eval", time.perf_counter() - self._eval_started)  # the eval budget learns from it
             beat.progress()
 
     def eval_end(self, state: State, logger: Logger) -> None:

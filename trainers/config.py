@@ -146,9 +146,13 @@ class WatchdogConfig(_Strict):
     """How long each phase of a launch may go without progress before the watchdog beside the ranks declares it
     hung, dumps every rank's stacks, kills the group and relaunches it from the last checkpoint (a preemption).
 
-    A step's budget is learned: step_factor x the 99th percentile of the launch's recent steps, never under
-    step_floor_s. Size-bound phases (plan, load, save, close) get their base plus the bytes they move at
-    bytes_per_s, so a 7B model's 84 GB checkpoint save gets 600 s + 28 min before it can trip anything.
+    Budgets come from the work (infra/watchdog.Budgets.of): a step, an eval batch and a wait for a batch get
+    step_factor x the 99th percentile of the launch's recent ones, a save or a load size_factor x its bytes at
+    the write speed this launch's saves measured, never under step_floor_s and never over the phase's own
+    ceiling (`<phase>_s`, plus the bytes at bytes_per_s for a size-bound phase: a 7B model's 84 GB save may be
+    silent up to 600 s + 28 min). A save that is writing beats as its files grow. With several ranks no phase
+    of the training loop may outlast the process group's collective timeout (TESSERA_DIST_TIMEOUT, 300 s), so
+    a rank frozen anywhere is caught as a hang before its peers fail as lost.
     """
 
     enabled: bool = Field(True, description="Watch the ranks; off: only a collective's own timeout notices a hang.")
@@ -164,17 +168,36 @@ class WatchdogConfig(_Strict):
     compile_s: float = Field(
         1800, gt=0, description="One torch.compile of a block's graph (forward or backward), with train.compile."
     )
-    data_s: float = Field(600, gt=0, description="Waiting for one batch (a shard fetched from s3 included).")
-    step_floor_s: float = Field(60, gt=0, description="The least a step's budget can be.")
-    step_factor: float = Field(
-        10, gt=1, description="A step's budget is this times the 99th percentile of the launch's recent steps."
+    data_s: float = Field(
+        600, gt=0, description="The most a wait for one batch may be given (a shard fetched from s3 included)."
     )
-    eval_s: float = Field(900, gt=0, description="One held-out batch scored.")
-    save_s: float = Field(600, gt=0, description="A checkpoint save, plus its bytes at bytes_per_s.")
+    step_floor_s: float = Field(
+        60, gt=0, description="The least a learned budget (a step, an eval batch, a wait for a batch, a save) can be."
+    )
+    step_factor: float = Field(
+        10,
+        gt=1,
+        description="A step's, an eval batch's and a wait for a batch's budget is this times the 99th percentile of "
+        "the launch's recent ones (an eval batch not yet timed: a step's).",
+    )
+    eval_s: float = Field(900, gt=0, description="The most one held-out batch may be given.")
+    save_s: float = Field(
+        600, gt=0, description="The most a checkpoint save may go without progress, plus its bytes at bytes_per_s."
+    )
     upload_s: float = Field(600, gt=0, description="The stage's last uploads to the s3 save folder, plus their bytes.")
     close_s: float = Field(900, gt=0, description="The stage's end: metrics delivered, uploads finished.")
     bytes_per_s: float = Field(
-        50e6, gt=0, description="The slowest disk or network a size-bound phase is allowed (bytes per second)."
+        50e6,
+        gt=0,
+        description="The slowest disk or network a size-bound phase is allowed (bytes per second): the ceiling of a "
+        "save or load is its base budget plus its bytes at this speed, and a save's speed before one is measured.",
+    )
+    size_factor: float = Field(
+        3,
+        gt=1,
+        description="A save or load may go without progress this many times its bytes at the write speed this "
+        "launch's saves measured (at least step_floor_s, at most its ceiling). A save that is writing beats as its "
+        "files grow, so a slow but moving save is never judged by this.",
     )
     poll_s: float = Field(2, gt=0, description="How often the watchdog reads the heartbeats.")
     no_progress_launches: PositiveInt = Field(

@@ -22,6 +22,11 @@ MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
 # (the downward API), elsewhere unset: MASTER_ADDR, the address the launcher gave every rank.
 STORE_BIND_ENV = "TESSERA_STORE_BIND"
 
+# How long a rank waits in a collective (and the process group's store) before the launch fails: the watchdog keeps
+# every budget of a multi-rank launch's training loop below it, so a hang is caught as a hang, not a failure.
+DIST_TIMEOUT_ENV = "TESSERA_DIST_TIMEOUT"
+DIST_TIMEOUT_S = 300.0
+
 # Where each rank writes its heartbeat (`rank<R>.json`, trainers/heartbeat.py) and, asked by SIGUSR1, its Python
 # stacks (`stacks-rank<R>.txt`), for the watchdog beside the ranks (infra/watchdog.py); set per launch by the launcher.
 HEARTBEAT_DIR_ENV = "TESSERA_HEARTBEAT_DIR"

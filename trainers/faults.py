@@ -6,6 +6,7 @@ One module holds every hook, so what a test can do to a trainer is read in one p
 plans; save: a checkpoint save), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in
 stage k), `TESSERA_FAULT_ONCE=<file>` (a kill only in the first launch that reaches it),
 `TESSERA_FAULT=slow:<seconds>` (a straggler: each step, and the preflight's matmul, that much slower),
+`TESSERA_FAULT=slow-save:<seconds>` (a throttled writer: a save that writes a little at a time for that long),
 `TESSERA_FREEZE=rank|group:<tokens>` with `TESSERA_FREEZE_RANK` and `TESSERA_FREEZE_ONCE` (a SIGSTOP of the rank,
 or of its whole process group, right after a step: a hang for the watchdog) and `TESSERA_SAMPLE_LOG=<file>` (what
 each step trained on).
@@ -36,14 +37,35 @@ def maybe_stall(point: str, stage: int | None = None) -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def maybe_freeze(tokens: int) -> None:
-    """`TESSERA_FREEZE=rank:<tokens>` (or `group:<tokens>`): right after the step that ends at <tokens>, the rank
-    named by TESSERA_FREEZE_RANK (0) stops itself (or its whole process group, the launcher included) with SIGSTOP,
-    as a wedged rank would; with `TESSERA_FREEZE_ONCE=<file>`, only the first launch that gets there, which writes
-    its pid, process group and the time into the file. A hang at an exact step, for the watchdog's tests."""
+def maybe_write_slowly(folder: Path, every_s: float) -> None:
+    """`TESSERA_FAULT=slow-save:<seconds>`: a save that writes a little (1 KB) every `every_s` for that long before
+    the checkpoint itself, into its folder: a throttled writer, slow but moving, for the watchdog's tests."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec.startswith("slow-save:"):
+        return
+    probe = Path(folder) / ".slow-save-probe"
+    with open(probe, "ab") as f:
+        deadline = time.monotonic() + float(spec.split(":", 1)[1])
+        while time.monotonic() < deadline:
+            f.write(b"x" * 1024)
+            f.flush()
+            time.sleep(every_s)
+    probe.unlink(missing_ok=True)
+
+
+def maybe_freeze(tokens: int, phase: str = "after") -> None:
+    """`TESSERA_FREEZE=rank:<tokens>[:<phase>]` (or `group:...`): at <tokens>, the rank named by TESSERA_FREEZE_RANK
+    (0) stops itself (or its whole process group, the launcher included) with SIGSTOP, as a wedged rank would. The
+    phase says where: `after` the step that ends at <tokens> (the default), in the `step` that starts there (before
+    its backward), in its `data` wait, in an `eval` batch of the checkpoint at <tokens>, or in its `save`. With
+    `TESSERA_FREEZE_ONCE=<file>`, only the first launch that gets there, which writes its pid, process group and the
+    time into the file. A hang at an exact point, for the watchdog's tests."""
     spec = os.environ.get("TESSERA_FREEZE", "")
-    what, _, at = spec.partition(":")
-    if not at or int(at) != tokens or os.environ.get("TESSERA_FREEZE_RANK", "0") != os.environ.get("RANK", "0"):
+    what, _, rest = spec.partition(":")
+    at, _, where = rest.partition(":")
+    if not at or int(at) != tokens or (where or "after") != phase:
+        return
+    if os.environ.get("TESSERA_FREEZE_RANK", "0") != os.environ.get("RANK", "0"):
         return
     once = os.environ.get("TESSERA_FREEZE_ONCE")
     if once:
@@ -116,6 +138,15 @@ class Probe(Callback):
     def __init__(self):
         self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
         self.peak_log = os.environ.get("TESSERA_PEAK_LOG")
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        maybe_freeze(int(state.timestamp.token), "data")  # after the heartbeat said `data`
+
+    def before_backward(self, state: State, logger: Logger) -> None:
+        maybe_freeze(int(state.timestamp.token), "step")
+
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        maybe_freeze(int(state.timestamp.token), "eval")
 
     def batch_start(self, state: State, logger: Logger) -> None:
         slow = slowed_by()

@@ -10,9 +10,11 @@ heartbeat matters only while the launch lives.
 
 Fields: rank, local_rank, pid, host, node (the Kubernetes node, NODE_NAME), stage, phase
 (trainers/contract.PHASES), since (when the phase began), beat (the last progress: a phase change,
-a step's or an eval batch's end), step, tokens, step_p99_s (the 99th percentile of the last 200
-steps' compute time, from which the watchdog learns the step budget), hint_bytes (how much a
-size-bound phase moves: a checkpoint to load or save, data to verify) and timing (where this rank's
+a step's or an eval batch's end, bytes a save has written), step, tokens, world (the launch's rank count: with
+several, a silent rank's peers wait in a collective), step_p99_s, eval_p99_s and data_p99_s (the 99th
+percentile of the last 200 steps' compute time, eval batches and waits for a batch: the watchdog learns
+those phases' budgets from them), write_bytes_per_s (how fast this launch's saves wrote), hint_bytes (how
+much a size-bound phase moves: a checkpoint to load or save, data to verify) and timing (where this rank's
 steps went, trainers/callbacks.Heartbeat).
 
 `faulthandler` writes every thread's Python stack to `stacks-rank<R>.txt` on SIGUSR1: the watchdog
@@ -29,6 +31,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -61,12 +64,18 @@ class Beat:
             "step": None,
             "tokens": None,
             "step_p99_s": None,
+            "eval_p99_s": None,
+            "data_p99_s": None,
+            "write_bytes_per_s": None,
+            "world": int(os.environ.get("WORLD_SIZE", "1")),
             "hint_bytes": 0,
             "timing": None,
         }
         self.compute_s: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self._windows: dict[str, collections.deque[float]] = {}
         self.started = now  # the process's start, to within its interpreter's start-up
         self._spent: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._lock = threading.Lock()
         self._write()
 
     def phase(self, name: str, hint_bytes: int = 0) -> None:
@@ -92,11 +101,23 @@ class Beat:
         self.record["beat"] = time.time()
         self._write()
 
+    def learn(self, what: str, seconds: float) -> None:
+        """One more duration of `what` (eval: an eval batch; data: a wait for a batch): its p99 goes in the record,
+        for the watchdog to budget that phase from. Written with the next beat."""
+        window = self._windows.setdefault(what, collections.deque(maxlen=STEP_WINDOW))
+        window.append(seconds)
+        ordered = sorted(window)
+        self.record[f"{what}_p99_s"] = round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4)
+
     def set(self, **fields) -> None:
         self.record.update(fields)
         self._write()
 
     def _write(self) -> None:
+        with self._lock:  # a save's growth thread beats too (trainers/saver.GrowthBeats)
+            self._write_now()
+
+    def _write_now(self) -> None:
         data = json.dumps(self.record, separators=(",", ":")).encode()
         if len(data) > HEARTBEAT_BYTES:  # the timing summary is the only field that grows
             data = json.dumps({**self.record, "timing": None}, separators=(",", ":")).encode()

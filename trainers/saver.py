@@ -9,6 +9,7 @@ files are trainers/layout.py's; the repair a launch does first is trainers/plan.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from composer.utils import dist
 
 from trainers import heartbeat, time_ledger
 from trainers.config import Stage, TrainJob
-from trainers.faults import maybe_fault, maybe_stall
+from trainers.faults import maybe_fault, maybe_freeze, maybe_stall, maybe_write_slowly
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.layout import RunFolder
@@ -40,6 +41,68 @@ def checkpoint_due(every: int, stage: Stage, event_wanted: Event):
         return event == event_wanted and (tokens // every > (tokens - step) // every or tokens >= stage_end)
 
     return due
+
+
+class GrowthBeats:
+    """While a save runs: a thread that beats this rank's heartbeat whenever the files written in `folder` since
+    the save began grow, so a slow save that is still writing is never judged hung, and a frozen one stops beating.
+    `grown` is how many bytes appeared (this node's ranks' together: the disk's speed, which sizes the next
+    save's budget)."""
+
+    POLL_S = 1.0
+
+    def __init__(self, folder: Path):
+        self.folder, self.grown = Path(folder), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="save-growth", daemon=True)
+
+    def __enter__(self) -> GrowthBeats:
+        self._since = time.time() - 1.0
+        self._base = self._size()
+        self._thread.start()
+        if dist.get_global_rank() == 0:
+            maybe_write_slowly(self.folder, self.POLL_S / 2)  # test hook: a throttled writer
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.grown = max(self.grown, self._size() - self._base)
+
+    def _size(self) -> int:
+        total = 0
+        for entry in _walk(self.folder):
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except OSError:  # renamed or removed meanwhile
+                continue
+            if stat.st_mtime >= self._since:
+                total += stat.st_size
+        return total
+
+    def _watch(self) -> None:
+        last = self._base
+        while not self._stop.wait(self.POLL_S):
+            size = self._size()
+            if size > last:
+                self.grown = size - self._base
+                beat = heartbeat.current()
+                if beat is not None:
+                    beat.progress()
+            last = max(last, size)
+
+
+def _walk(folder: Path):
+    """Every file under `folder` (a sharded checkpoint is a folder of files), as os.DirEntry."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
+            yield entry
 
 
 def _node_ranks() -> set[int]:
@@ -86,13 +149,19 @@ class PublishingCheckpointSaver(CheckpointSaver):
         heartbeat.phase("save", hint_bytes=12 * sum(p.numel() for p in state.model.parameters()))
         latest, self.latest_filename = self.latest_filename, None  # Composer would link before publishing
         started = time.monotonic()
-        try:
-            maybe_stall("save", self.run_stage.index)  # test hook: a save that hangs
-            super()._save_checkpoint(state, logger)
-        finally:
-            self.latest_filename = latest
-        self._publish(state)
-        self.save_seconds.append(round(time.monotonic() - started, 3))
+        with GrowthBeats(self.run_folder.path) as growth:  # a save that is writing is making progress
+            try:
+                maybe_stall("save", self.run_stage.index)  # test hooks: a save that hangs, a rank frozen in it
+                maybe_freeze(int(state.timestamp.token), "save")
+                super()._save_checkpoint(state, logger)
+            finally:
+                self.latest_filename = latest
+            self._publish(state)
+        took = time.monotonic() - started
+        self.save_seconds.append(round(took, 3))
+        beat = heartbeat.current()
+        if beat is not None and growth.grown > 0 and took > 0:
+            beat.set(write_bytes_per_s=round(growth.grown / took))  # the next save's budget is sized by it
         heartbeat.phase("step")
 
     def _publish(self, state: State) -> None:
