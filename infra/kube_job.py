@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from infra.config import ComputeConfig
@@ -32,10 +33,11 @@ class KubernetesJob:
 
     watch_s = 2  # a watch request's length: how often pods and timeouts are looked at without a group event
     delete_wait_s = 120.0  # how long cancel waits for the pods of a deleted group to be gone
-    # How long the end waits for the relay to bring pod 0's last output in. A finished pod's log is read to its end
-    # in one request, but on a loaded node (or a slow API) a few rounds of list/log/get can take seconds; too short
-    # a bound put the explanation before the output it explains, or left the output out.
-    relay_drain_s = 10.0
+    # How long the end waits at most for the relay to bring pod 0's last output in; it waits no longer than the relay
+    # takes. A finished pod's log is read to its end in one request, but on a loaded node (or a slow API) a few
+    # rounds of list/log/get can take many seconds: 10 s once left a completed group's whole output out of its log
+    # on a loaded CI machine (the explanation came, the output it explains did not).
+    relay_drain_s = 30.0
 
     def __init__(
         self,
@@ -169,10 +171,14 @@ class KubernetesJob:
     def end(self, outcome: Outcome) -> None:
         """The launch ended with `outcome`: pod 0's last output, the failing pod's last lines, then the
         line that explains the end; poll and wait report it from then on."""
+        self._relay.ask_again = not outcome.lost
         self._ended.set()
         if self._logger.ident is not None and self._logger is not threading.current_thread():
-            # pod 0's last lines before the explanation; a pod 0 still running has written all it had
-            self._logger.join(timeout=self.relay_drain_s)
+            # pod 0's last lines before the explanation; a pod 0 still running has written all it had once its
+            # stream goes quiet
+            deadline = time.monotonic() + self.relay_drain_s
+            while self._logger.is_alive() and time.monotonic() < deadline and not self._relay.caught_up(1.0):
+                self._logger.join(timeout=0.2)
         if outcome.cause != "done":
             failure = self._group.failure_behind(outcome)
             if failure is not None:

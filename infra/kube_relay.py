@@ -22,6 +22,8 @@ class LogRelay:
     """Writes one launch's log: `line` for the launcher, `run` (a thread) for pod 0's output, `close`
     for the last line, after which nothing more is written."""
 
+    END_ROUNDS = 5  # lists tried after the end when the API does not answer
+
     def __init__(
         self,
         kube: Kube,
@@ -37,6 +39,8 @@ class LogRelay:
         self._ended, self._stop = ended, stop  # the group has ended / the launcher is being cancelled
         self._lock = threading.Lock()  # the relay thread and the watcher both append to the file
         self._closed = False
+        self.ask_again = True  # False once the launch ended because the API was lost: asking again cannot help
+        self._streaming_since: float | None = None  # monotonic time of the open stream's last bytes (or its start)
 
     def line(self, text: str) -> None:
         with self._lock:
@@ -61,6 +65,12 @@ class LogRelay:
         with self._lock:
             self._write(text.encode() + (b"" if text.endswith("\n") else b"\n"))
 
+    def caught_up(self, quiet_s: float) -> bool:
+        """The relay is following a live pod's stream that has brought nothing for `quiet_s`: everything the pod
+        has written is in the file, and waiting for the stream's end would wait for the pod's."""
+        since = self._streaming_since
+        return since is not None and time.monotonic() - since >= quiet_s
+
     def _write(self, data: bytes) -> None:
         with open(self.path, "ab") as f:
             f.write(data)
@@ -82,12 +92,18 @@ class LogRelay:
         """Follow each pod 0 in turn until the group has ended and the last one's output is in the file."""
         written: dict[str, int] = {}  # pod uid -> bytes of its log already in the file
         done: set[str] = set()
+        unanswered = 0  # rounds in a row whose pod list the API did not answer
         while True:
             ended = self._ended.is_set()  # read first: one more round after the end picks up the last output
             try:
                 pod = self._pod0()
+                unanswered = 0
             except KubeError:
-                pod = None
+                pod, unanswered = None, unanswered + 1
+                # After the end, one unanswered list (a busy API server, a loaded node) must not leave pod 0's last
+                # output out of the log: ask again a few times (the end waits for this within relay_drain_s).
+                if ended and self.ask_again and unanswered < self.END_ROUNDS and not self._stop.wait(1.0):
+                    continue
             uid = pod["metadata"].get("uid", pod["metadata"]["name"]) if pod else None
             if pod is not None and uid not in done:
                 name = pod["metadata"]["name"]
@@ -96,8 +112,10 @@ class LogRelay:
                     self.pod0_name = name
                     self.line(f"output of pod {name}:")
                 skip = written[uid]
+                self._streaming_since = time.monotonic()
                 try:
                     for chunk in self.kube.follow_log(name, self.container):
+                        self._streaming_since = time.monotonic()
                         if skip:
                             dropped = min(skip, len(chunk))
                             chunk, skip = chunk[dropped:], skip - dropped
@@ -109,6 +127,8 @@ class LogRelay:
                             written[uid] += len(chunk)
                 except (KubeError, OSError, ValueError):
                     pass  # the pod went away under the stream, or the API did; the next round sees which
+                finally:
+                    self._streaming_since = None
                 try:
                     phase = ((self._pod(name) or {}).get("status") or {}).get("phase")
                 except KubeError:  # the API is away: the pod may be running still; follow it again later

@@ -15,6 +15,7 @@ import pytest
 
 from infra import allow_launches, cancel_all
 from infra.kube_job import KubernetesJob
+from infra.kube_relay import LogRelay
 from infra.kubernetes import KubernetesBackend
 from infra.lifecycle import forget
 from tests.k8s.fake_apiserver import FakeApiServer
@@ -114,6 +115,37 @@ def test_success_streams_pod0_and_deletes_everything(api, tmp_path):
         ("ConfigMap", "tessera-tiny-s0-a0"),
         ("JobSet", "tessera-tiny-s0-a0"),
     ]
+
+
+def test_pod0_output_reaches_the_log_when_the_api_misses_lists_just_after_the_end(api, tmp_path):
+    """The relay's round after the end: an unanswered pod list (a busy API server) is asked again, not taken as
+    "no pod 0", which once left a completed group's whole output out of its log on a loaded CI machine."""
+    c = api.cluster
+
+    def scenario(c):
+        js = c.wait_for("JobSet", "tessera-tiny-s0-a0")
+        pods = c.start_pods(js, phase="Pending")  # not followed before the end
+        c.log(pods[0], "starting\n" + PROGRESS)
+        for p in pods:
+            c.terminate(p, 0)
+        c.set_condition("JobSet", js["metadata"]["name"], "Completed", "AllJobsCompleted", "done")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _launch(tmp_path, CPU_ONE_NODE)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    # the same end again, with the API refusing the first two requests of the relay's last round
+    relay = job._relay
+    replay = tmp_path / "replay.log"
+    ended, stop = threading.Event(), threading.Event()
+    ended.set()
+    c.faults.errors = 2
+    LogRelay(relay.kube, relay.work, relay.container, replay, ended=ended, stop=stop).run()
+    assert c.faults.errors == 0
+    text = replay.read_text()
+    assert "output of pod tessera-tiny-s0-a0-" in text and PROGRESS in text and "starting\n" in text
+    _end(job, api)
 
 
 def test_eviction_restarts_the_group_then_succeeds(api, tmp_path):

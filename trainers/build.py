@@ -310,8 +310,9 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         log.info("stage %s is already complete", stage.name)
         return None
     checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
-    hf_model, model, init_source = _model(job, plan, compile_lib.wanted(job.train.compile, torch.cuda.is_available()))
-    callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip, copy)
+    compiled = compile_lib.wanted(job.train.compile, torch.cuda.is_available())
+    hf_model, model, init_source = _model(job, plan, compiled)
+    callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip, copy, compiled)
     if checked is not None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
@@ -465,7 +466,7 @@ def _model_config(job: TrainJob, plan: StartPlan) -> ModelConfig:
 
 
 def _callbacks(
-    job: TrainJob, stage_index: int, plan: StartPlan, skip: int, copy: RemoteCopy | None
+    job: TrainJob, stage_index: int, plan: StartPlan, skip: int, copy: RemoteCopy | None, compiled: bool
 ) -> tuple[list, MlflowMetrics, RestoreRng]:
     """The callbacks in the order they must run, and the two build_trainer talks to after the Trainer exists."""
     stage = job.stage(stage_index)
@@ -499,7 +500,7 @@ def _callbacks(
         Probe(),
         saver,
     ]
-    if compile_lib.wanted(job.train.compile, torch.cuda.is_available()):
+    if compiled:
         callbacks.insert(2, compile_lib.CompileReport())  # before the test probes: a killed step still says it
     return callbacks, metrics, rng
 

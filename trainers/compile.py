@@ -51,14 +51,11 @@ from trainers.contract import CACHE_DIR_ENV, COMPILE_CACHE_ENV
 
 log = logging.getLogger("tessera.compile")
 
-Setting = Literal["auto", "true", "false"]
 
-
-def wanted(setting: Setting | bool, on_gpu: bool) -> bool:
-    """`auto` compiles on CUDA only (CPU compiles cost more than they gain on the small models CPUs train)."""
-    if isinstance(setting, bool):
-        return setting
-    return on_gpu if setting == "auto" else setting == "true"
+def wanted(setting: bool | Literal["auto"], on_gpu: bool) -> bool:
+    """train.compile: `auto` compiles on CUDA only (CPU compiles cost more than they gain on the small models CPUs
+    train)."""
+    return on_gpu if setting == "auto" else setting
 
 
 def _device_id() -> str:

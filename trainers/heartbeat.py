@@ -71,8 +71,7 @@ class Beat:
             "hint_bytes": 0,
             "timing": None,
         }
-        self.compute_s: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
-        self._windows: dict[str, collections.deque[float]] = {}
+        self._windows: dict[str, collections.deque[float]] = {}  # recent durations of a step, an eval batch, ...
         self.started = now  # the process's start, to within its interpreter's start-up
         self._spent: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._lock = threading.Lock()
@@ -93,17 +92,16 @@ class Beat:
 
     def progress(self, step: int | None = None, tokens: int | None = None, compute_s: float | None = None) -> None:
         if compute_s is not None:
-            self.compute_s.append(compute_s)
-            ordered = sorted(self.compute_s)
-            self.record["step_p99_s"] = round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4)
+            self.learn("step", compute_s)
         if step is not None:
             self.record.update(step=step, tokens=tokens)
         self.record["beat"] = time.time()
         self._write()
 
     def learn(self, what: str, seconds: float) -> None:
-        """One more duration of `what` (eval: an eval batch; data: a wait for a batch): its p99 goes in the record,
-        for the watchdog to budget that phase from. Written with the next beat."""
+        """One more duration of `what` (step: a step's compute; eval: an eval batch; data: a wait for a batch): its
+        p99 over the last STEP_WINDOW goes in the record, for the watchdog to budget that phase from. Written with
+        the next beat."""
         window = self._windows.setdefault(what, collections.deque(maxlen=STEP_WINDOW))
         window.append(seconds)
         ordered = sorted(window)
