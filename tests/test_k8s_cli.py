@@ -29,14 +29,35 @@ def _recipe(tmp_path, compute_section: dict) -> str:
 
 def test_render_prints_valid_manifests_of_the_stage(tmp_path, capsys):
     recipe = _recipe(tmp_path, GPU_KUEUE)
-    assert main(["k8s", "render", recipe, "--stage", "1"]) == 2  # no job file yet: one line saying so
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("tessera: error: ") and "runs/tiny/job.json: no job file; `tessera run` writes it" in err
+    # a fresh checkout: no job file yet, the objects come from the recipe alone and the first line says so
+    assert main(["k8s", "render", recipe, "--stage", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"# tessera: from {recipe} alone (no job file at ")
+    docs = list(yaml.safe_load_all(out))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("NetworkPolicy", "tessera-tiny-s1-a0"),
+        ("ConfigMap", "tessera-tiny-s1-a0"),
+        ("JobSet", "tessera-tiny-s1-a0"),
+    ]
+    planned = json.loads(docs[1]["data"]["job.json"])
+    assert (planned["vocab_size"], planned["eos_token_id"], planned["seq_len"]) == (50277, 0, 128)
+    assert planned["streams"] == {
+        "literary": "s3://tessera-data/prepared/literary-{prepare-hash}/train",
+        "stories": "s3://tessera-data/prepared/stories-{prepare-hash}/train",
+    }
+    assert planned["tokenizer_dir"] == "s3://tessera-data/prepared/tokenizer-{prepare-hash}"
+    assert planned["mlflow"]["run_id"] == "{mlflow-run-id}"
+    for doc in docs[:2]:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+    # once `tessera run` has written the run's job file, that is what is rendered, and said
     job = tmp_path / "work" / "runs" / "tiny" / "job.json"
     job.parent.mkdir(parents=True)
     job.write_text(job_json("tiny"))
     assert main(["k8s", "render", recipe, "--stage", "1", "--attempt", "2"]) == 0
-    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"# tessera: from the job file {job}"
+    docs = list(yaml.safe_load_all(out))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
         ("NetworkPolicy", "tessera-tiny-s1-a2"),
         ("ConfigMap", "tessera-tiny-s1-a2"),
@@ -48,6 +69,27 @@ def test_render_prints_valid_manifests_of_the_stage(tmp_path, capsys):
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     assert main(["k8s", "render", recipe, "--stage", "7"]) == 2
     assert "--stage: 7 is not a stage of" in capsys.readouterr().err
+
+
+def test_render_refuses_the_job_file_of_another_run_in_one_line(tmp_path, capsys):
+    """The demo's job file under the 1B recipe would render the tiny model and local paths as if they were its."""
+    demo = json.loads(job_json("k8s-1b"))
+    demo["model"] = {"n_layers": 2, "d_model": 64, "n_heads": 4}
+    other = tmp_path / "job.json"
+    other.write_text(json.dumps(demo))
+    recipe = str(ROOT / "configs" / "k8s-1b.yaml")
+    assert main(["k8s", "render", recipe, "--stage", "0", "--job", str(other)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"tessera: error: {other}: seq_len is 128 where {recipe} says 2048: the job file of another run; pass "
+        "this recipe's run's job file, or no --job to render from the recipe alone"
+    )
+    demo["seq_len"] = 2048
+    other.write_text(json.dumps(demo))
+    assert main(["k8s", "render", recipe, "--stage", "0", "--job", str(other)]) == 2
+    assert f"{other}: model.n_layers is 2 where {recipe} says 24" in capsys.readouterr().err
+    assert main(["k8s", "render", recipe, "--stage", "0", "--job", str(tmp_path / "none.json")]) == 2
+    assert f"--job: {tmp_path / 'none.json'}: no such file" in capsys.readouterr().err
 
 
 def test_render_refuses_a_local_recipe(capsys):

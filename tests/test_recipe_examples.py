@@ -209,6 +209,34 @@ def test_k8s_render_of_every_stage_gives_a_jobset_the_release_crd_accepts(name, 
 
 
 @pytest.mark.parametrize("name", sorted(ON_KUBERNETES))
+def test_k8s_render_on_a_fresh_checkout_needs_only_the_recipe(name, tmp_path, capsys, jobset_schema):
+    """No data prepared, no run started: every stage's objects from the recipe, valid, with what only the prepare
+    stage can know marked as such; the same job file the hand-built one above holds where it can know."""
+    raw = yaml.safe_load(RECIPES[name].read_text())
+    raw["work_dir"] = str(tmp_path / "work")  # nothing `tessera run` wrote
+    fresh = tmp_path / f"{name}.yaml"
+    fresh.write_text(yaml.safe_dump(raw))
+    recipe = _load(name)
+    for stage in range(len(recipe.train.stages)):
+        capsys.readouterr()
+        assert main(["k8s", "render", str(fresh), "--stage", str(stage)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"# tessera: from {fresh} alone (no job file at {tmp_path / 'work' / 'runs' / name}")
+        objects = _by_kind(list(yaml.safe_load_all(out)))
+        for version in K8S_VERSIONS:
+            for obj in _core_objects(list(objects.values())):
+                kubernetes_validate.validate(obj, version, strict=True)
+        jsonschema.validate(objects["JobSet"], jobset_schema)
+        planned = json.loads(objects["ConfigMap"]["data"][JOB_FILE])
+        hand = json.loads(_job_file(recipe, tmp_path / "hand").read_text())
+        for field in ("run_name", "model", "vocab_size", "eos_token_id", "seq_len", "checkpoint_every_tokens"):
+            assert planned[field] == hand[field], field
+        pod_own = {"save_folder": None, "stream_cache_limit": None}  # the pod's disk, set by infra/pod_spec.py
+        assert planned["train"] | pod_own == hand["train"] | pod_own
+        assert all(p.endswith("-{prepare-hash}/train") for p in planned["streams"].values())
+
+
+@pytest.mark.parametrize("name", sorted(ON_KUBERNETES))
 def test_the_rendered_jobset_runs_the_recipes_nodes_gpus_queue_and_parallelism(name, tmp_path, capsys):
     nodes, gpus, queue, sharding, recompute = ON_KUBERNETES[name]
     recipe = _load(name)

@@ -233,4 +233,17 @@ def _info(hf_dir: str, cfg: TokenizerConfig, key: str, trained: bool) -> Tokeniz
     )
 
 
-__all__ = ["TokenizerInfo", "resolve", "token_dtype"]
+def peek(cfg: TokenizerConfig) -> TokenizerInfo | None:
+    """The ids a pretrained tokenizer gives (vocabulary, EOS, BOS), read without preparing or publishing anything;
+    None for one trained on the sources, whose ids exist only once the prepare stage has trained it."""
+    import tempfile
+
+    if cfg.train is not None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="tessera-tokenizer-") as tmp:
+        _write_pretrained(cfg, tmp)
+        info = _info(tmp, cfg, "", trained=False)
+    return info.model_copy(update={"hf_dir": cfg.path})
+
+
+__all__ = ["TokenizerInfo", "peek", "resolve", "token_dtype"]
