@@ -183,6 +183,15 @@ def train_stage(
     env = {HOLDER_ENV: holder} if holder else {}
     if spec.train.watchdog.enabled:  # the launcher runs the watchdog beside the ranks with these budgets
         env |= budgets_env(spec.train.watchdog.model_dump())
+    ended = _finished(spec, stage_index)
+    if ended is not None:
+        logger.info(
+            "stage %s: already complete at %s tokens (checkpoint %s); no trainer launched",
+            stage_name,
+            f"{ended.tokens:,}",
+            Path(ended.path).name,
+        )
+        return 0
     preemptions = 0
     while True:
         before, started = _newest_tokens(spec, compute), time.time()
@@ -290,6 +299,17 @@ def _stop_without_progress(run_dir: Path, stage_name: str, spec: TrainJob, last:
             f"{newest:,} tokens; train.watchdog.no_progress_launches={limit}); stopping instead of relaunching "
             f"again. The last one ended: {last[:200]} (see {log_path})"
         )
+
+
+def _finished(spec: TrainJob, stage_index: int):
+    """The stage's end checkpoint when the run's records already show it (trainers/trained_stages.finished), else
+    None. Records that cannot be read leave the decision to a launch, as before: never a failure here."""
+    from trainers.trained_stages import finished
+
+    try:
+        return finished(spec, stage_index)
+    except Exception:  # noqa: BLE001 - an unreadable folder or mirror: the launch decides, and says why if it must
+        return None
 
 
 def _newest_tokens(spec: TrainJob, compute: ComputeConfig) -> int:

@@ -173,6 +173,47 @@ def test_a_cut_short_local_ledger_takes_the_mirrors_whole_copy(tmp_path, how):
     assert ledger.read_bytes() == clean
 
 
+def test_the_records_alone_say_a_stage_is_finished_and_what_they_do_not_settle_is_left_to_a_launch(tmp_path):
+    """What a rerun with nothing to do decides from, without launching a trainer (tasks/train.train_stage)."""
+    from trainers.plan import plan_start
+    from trainers.trained_stages import finished
+
+    job = _job(tmp_path)
+    _stage0_checkpoints(job)
+    assert finished(job, 0) is None  # no launch recorded stage 0 in the stages ledger
+    plan_start(job, 0)
+    end = finished(job, 0)
+    assert (end.tokens, end.stage_index) == (2560, 0) and Path(end.path).name == "tiny-s0-tok2560-rank0.pt"
+    assert finished(job, 1) is None  # stage 1 was never trained
+    other = _job(tmp_path, run_name="other")  # another run sharing the folder finds nothing of its own
+    assert finished(other, 0) is None
+    remixed = _job(tmp_path, stages=[STAGES[0].model_copy(update={"mixture": {"a": 0.5, "b": 0.5}}), STAGES[1]])
+    assert finished(remixed, 0) is None  # an edited trained stage: the launch refuses it, in its own words
+    Path(end.path).write_bytes(Path(end.path).read_bytes()[:100])  # the file cut short after its publication
+    assert finished(job, 0) is None
+
+
+def test_with_an_s3_mirror_a_stage_is_finished_only_once_its_end_checkpoint_is_in_the_mirror(tmp_path, moto_s3):
+    from trainers.layout import RunFolder
+    from trainers.plan import plan_start
+    from trainers.remote import RemoteFolder
+    from trainers.trained_stages import finished
+
+    moto_s3.create_bucket(Bucket="ckpt")
+    job = _job(tmp_path, save_folder="s3://ckpt/runs")
+    _stage0_checkpoints(job)
+    plan_start(job, 0)  # records the stage and reconciles: the mirror gets the ledger and the checkpoints
+    listed = moto_s3.list_objects_v2(Bucket="ckpt", Prefix="runs/tiny/manifests/")["Contents"]
+    manifest = next(o["Key"] for o in listed if "2560" in o["Key"])
+    moto_s3.delete_object(Bucket="ckpt", Key=manifest)
+    assert finished(job, 0) is None  # complete on this disk, not in the mirror a pod or a fresh node reads
+    end_info = next(c for c in RunFolder.of(job).complete() if c.tokens == 2560)
+    RemoteFolder.for_job(job).upload_now(end_info)
+    RunFolder.of(job).ledger.unlink()  # a fresh flow's working copy: the ledger comes from the mirror
+    end = finished(job, 0)
+    assert end is not None and end.tokens == 2560
+
+
 # ---------------------------------------------------------------- rollback records
 
 

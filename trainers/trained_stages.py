@@ -1,4 +1,5 @@
-"""Trained stages: the specs of the stages a run has trained on, so a trained stage is never edited.
+"""Trained stages: the specs of the stages a run has trained on, so a trained stage is never edited; and whether
+the run's records alone show a stage finished (`finished`), so a rerun with nothing to do launches no trainer.
 
 (Not to be confused with tasks/consumed_files.py, the input files continued runs consumed.)
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
-from trainers.config import StageConfig
+from trainers.config import StageConfig, TrainJob
 from trainers.exit_codes import FatalError
 from trainers.format.atomic import CutShort, atomic_write_json, read_json
+from trainers.format.checkpoints import CheckpointInfo, is_intact
 from trainers.layout import RunFolder
 from trainers.remote import RemoteFolder
 
@@ -88,6 +91,40 @@ def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
                     f"{field}={recorded.get(field)!r}, the job now says {current.get(field)!r}; editing a trained "
                     "stage is refused (append a new stage instead)"
                 )
+
+
+def covers(folder: RunFolder, stages: Sequence[StageConfig], stage_index: int) -> bool:
+    """The ledger records stages 0..stage_index as the job has them: no launch would refuse an edit of them."""
+    try:
+        check(folder, stages)
+    except FatalError:  # the launch says it, in the trainer's own words
+        return False
+    return len(_trained(folder, stages)) > stage_index
+
+
+def finished(job: TrainJob, stage_index: int) -> CheckpointInfo | None:
+    """The checkpoint that ends stage `stage_index` when the run's records alone say the stage is complete, so the
+    flow need not launch ranks to learn it (a rerun with nothing to do); None when a launch must decide.
+
+    Complete means: a published manifest of the stage at or past its end, in the s3 mirror when the run has one
+    (where a pod's or a fresh node's work lands, and a manifest is uploaded after its file), its file whole where it
+    is local, and the stages ledger agreeing with the job's stages up to this one (an edit of a trained stage is
+    left to the launch, which refuses it in one line). Read-only except that a mirror's ledger is pulled into the
+    local one, as a launch's plan would. Anything the records do not settle is the launch's to decide.
+    """
+    stage = job.stage(stage_index)
+    folder = RunFolder.of(job)
+    remote = RemoteFolder.for_job(job)
+    if remote is not None:
+        folder.path.mkdir(parents=True, exist_ok=True)
+        remote.pull_json_list(folder.ledger)
+        done = [c for c in remote.complete() if folder.owns(Path(c.path).name)]
+    else:
+        done = [c for c in folder.complete() if is_intact(c.path)]
+    ends = [c for c in done if c.stage_index == stage_index and c.tokens >= stage.end]
+    if not ends or not covers(folder, job.train.stages, stage_index):
+        return None
+    return max(ends, key=lambda c: c.tokens)
 
 
 def record(folder: RunFolder, stages: Sequence[StageConfig], stage_index: int, remote: RemoteFolder | None) -> None:

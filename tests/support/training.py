@@ -224,6 +224,7 @@ class MlflowServer:
             except OSError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop(timeout=10)  # a server slower than its deadline must not outlive the test that gave up
                 tail = (self.root / "server.log").read_text()[-3000:]
                 raise RuntimeError(f"mlflow server on port {self.port} did not come up:\n{tail}")
             time.sleep(0.25)
