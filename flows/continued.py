@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from flows.outcome import form_values, run_or_end
 from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline
 from flows.prepare import prepare_sources
-from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
+from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe, run_folder
 from flows.runtime import prepare_process
 from tasks import consumed_files, continuation
 from tasks.aliases import reconcile_registry
@@ -33,6 +33,7 @@ from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for, retrying
 from tasks.promote import Decision, champion_version, promote_challenger
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
+from tasks.train import what_stays
 
 
 class ContinueParams(RecipeTarget):
@@ -148,10 +149,12 @@ def _record_end(flow, flow_run_, state) -> None:
     """
     from prefect.client.orchestration import get_client
 
-    from flows.outcome import REFUSED
+    from flows.outcome import REFUSED, keep_last_word
 
     if state.name == REFUSED:
         return
+    if state.is_cancelling() or state.is_cancelled():  # first: the runner's own Cancelled comes after the hooks
+        keep_last_word(flow_run_.id)
     try:
         with get_client(sync_client=True) as client:
             tags = client.read_flow_run(flow_run_.id).tags
@@ -271,6 +274,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
             },
             version_tags={"continued_from": f"v{version}"},
         ),
+        stays=lambda: what_stays(run_folder(continued.work_dir, run_name) / "job.json", continued.compute),
     )
     from tasks.register import best_of_run
 
@@ -296,7 +300,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         [f.model_copy(update={"run": run_name}) for f in fresh],
         str(flow_run.id) if flow_run.id else None,
     )
-    return ContinueResult(
+    outcome = ContinueResult(
         run_name=run_name,
         base=base_uri,
         new_files=len(fresh),
@@ -306,6 +310,31 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         decision=decision,
         champion=champion,
     )
+    return outcome if decision is None else _verdict_state(outcome)
+
+
+PROMOTED, NOT_PROMOTED = "Promoted", "Not promoted"
+
+
+def _verdict_state(outcome: ContinueResult):
+    """The flow run's last state says the verdict, where a person looks first: *Not promoted* (still of type
+    Completed: the run did what it was asked, and a schedule or an automation keyed on success is unaffected) with
+    the one-line reason, or *Promoted*; a `promotion:` tag says it in the runs list and its filters too."""
+    from prefect.states import Completed
+
+    from flows.pipeline import tag_flow_run
+
+    decision = outcome.decision
+    word = "accepted" if decision.accepted else "rejected"
+    tag_flow_run(str(flow_run.id) if flow_run.id else None, [f"promotion:{word}"])
+    if decision.accepted:
+        message = f"challenger v{outcome.challenger} is the champion now: {decision.summary()}"
+    else:
+        message = (
+            f"REJECTED: challenger v{outcome.challenger} not promoted, v{outcome.champion} stays champion: "
+            f"{decision.summary()}"
+        )
+    return Completed(name=PROMOTED if decision.accepted else NOT_PROMOTED, message=message, data=outcome)
 
 
 def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: float) -> int:
