@@ -67,19 +67,20 @@ def _end_as(state) -> NoReturn:
     told the run is over the way the API itself tells it: Abort, carrying that state, which the engine
     reports as the run's final state and exits 0 on.
     """
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import Abort
     from prefect.runtime import flow_run
 
-    with get_client(sync_client=True) as client:
-        result = client.set_flow_run_state(flow_run.id, state, force=True)
+    from tasks.last_word import set_state
+
+    result = set_state(flow_run.id, state)  # retried: a server slow or locked for seconds must not lose it
     signal = Abort(state.message)
     signal.state = result.state or state  # the engine's "Finished in state ..." and its outcome report
     raise signal
 
 
-def run_or_end(run_name: str, body: Callable[[], T]) -> T:
-    """`body()`'s result; a refusal or a stop ends the flow run in the state that says so instead."""
+def run_or_end(run_name: str, body: Callable[[], T], stays: Callable[[], str] | None = None) -> T:
+    """`body()`'s result; a refusal or a stop ends the flow run in the state that says so instead. `stays` says
+    what a stopped run keeps (tasks/train.what_stays), read once the trainer is gone."""
     from prefect.exceptions import TerminationSignal
     from prefect.states import Cancelled
 
@@ -91,12 +92,21 @@ def run_or_end(run_name: str, body: Callable[[], T]) -> T:
         _end_as(Cancelled(name=REFUSED, message=str(exc)))
     except TerminationSignal:
         why = _stop_reason() or "cancelled"
-        _end_as(
-            Cancelled(
-                message=f"{why}: every rank of run {run_name!r} was stopped; its last complete checkpoint "
-                "stays, and a rerun of the same run name resumes from it"
-            )
-        )
+        kept = "a rerun of the same run name resumes from its newest checkpoint"
+        if stays is not None:
+            try:
+                kept = stays()
+            except Exception:  # noqa: BLE001 - the explanation is written whatever; the general line is still true
+                pass
+        _end_as(Cancelled(message=f"{why}: every rank of run {run_name!r} was stopped; {kept}"))
+
+
+def keep_last_word(flow_run_id) -> None:
+    """From an on_cancellation hook: keep the explanation this flow run ended with as its last state, over the
+    Cancelled Prefect's runner writes after the hooks (tasks/last_word.py)."""
+    from tasks.last_word import spawn
+
+    spawn(flow_run_id)
 
 
 def ended_message(exc: BaseException) -> tuple[str, bool] | None:

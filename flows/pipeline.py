@@ -22,7 +22,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.futures import wait
 from pydantic import BaseModel, Field
 
-from flows.outcome import REFUSED, form_values, run_or_end
+from flows.outcome import REFUSED, form_values, keep_last_word, run_or_end
 from flows.prepare import prepare_recipe_data
 from flows.recipe import (
     NAME_PATTERN,
@@ -37,7 +37,16 @@ from flows.runtime import prepare_process
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.gauntlet_queue import GauntletQueue, QueueTarget
-from tasks.mlflow_run import close_run, find_run, model_ui_url, open_run, record_run, resolved_uri, run_ui_url
+from tasks.mlflow_run import (
+    close_run,
+    find_run,
+    model_ui_url,
+    open_run,
+    record_run,
+    resolved_uri,
+    run_ui_url,
+    served_elsewhere,
+)
 from tasks.register import Registration, move_aliases
 from tasks.run_slot import one_per_run, run_tag
 from tasks.train import (
@@ -49,6 +58,7 @@ from tasks.train import (
     report_goodput,
     stop_launched_jobs,
     train_stage,
+    what_stays,
     write_job,
 )
 
@@ -151,7 +161,7 @@ def _flow_run_name() -> str:
         return Path(str(params.get("recipe", "tessera"))).stem or "tessera"
 
 
-def _tag_flow_run(flow_run_id: str | None, tags: list[str]) -> None:
+def tag_flow_run(flow_run_id: str | None, tags: list[str]) -> None:
     if not flow_run_id:
         return
     from prefect.client.orchestration import get_client
@@ -169,6 +179,8 @@ def _record_end(flow, flow_run, state) -> None:
     """
     if state.name == REFUSED:  # the MLflow run is the live holder's: it is not this flow run's to close
         return
+    if state.is_cancelling() or state.is_cancelled():  # first: the runner's own Cancelled comes after the hooks
+        keep_last_word(flow_run.id)
     try:
         recipe, run_name = _resolve(PipelineParams.model_validate(flow_run.parameters["params"]))
     except Exception:  # noqa: BLE001 - a recipe that does not load opened no MLflow run
@@ -230,10 +242,11 @@ def run_pipeline(
     logger = get_run_logger()
     flow_run_id = flow_run.id
     run_folder(recipe.work_dir, run_name)  # a name that would escape the runs folder: one line, before anything
-    for line in recipe.notices():
-        logger.warning("%s", line)
+    for line in [*recipe.notices(), served_elsewhere(recipe.tracking.tracking_uri)]:
+        if line:
+            logger.warning("%s", line)
     allow_launches()  # an earlier flow run in this same process may have stopped its jobs
-    _tag_flow_run(flow_run_id, ["tessera", f"recipe:{recipe.name}", run_tag(run_name)])
+    tag_flow_run(flow_run_id, ["tessera", f"recipe:{recipe.name}", run_tag(run_name)])
     with one_per_run(run_name, if_running, flow_run_id):
         return _run_exclusively(recipe, run_name, recipe_path, run_tags or {}, version_tags or {}, logger)
 
@@ -289,7 +302,7 @@ def _run_exclusively(
             run_dir,
             MlflowTarget(tracking_uri=resolved_uri(recipe.tracking.tracking_uri), run_id=run_id),
         )
-        job_path = write_job(job, run_dir / "job.json")
+        job_path = write_job(job, _job_path(recipe, run_name))
         record_run(recipe.tracking, run_id, {"data.vocab_size": str(job.vocab_size)}, {}, {"recipe": str(job_path)})
         queue = GauntletQueue(
             QueueTarget(
@@ -385,7 +398,11 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             _bootstrap_champion(recipe, run_name, result)
         return result
 
-    return run_or_end(run_name, body)
+    return run_or_end(run_name, body, stays=lambda: what_stays(_job_path(recipe, run_name), recipe.compute))
+
+
+def _job_path(recipe: Recipe, run_name: str) -> Path:
+    return run_folder(recipe.work_dir, run_name) / "job.json"
 
 
 def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:

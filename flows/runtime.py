@@ -89,10 +89,23 @@ def install_log_filter() -> None:
                 handler.addFilter(_NoTracebackForBadInput())
 
 
+class _CancelledIsNotAnError(logging.Filter):
+    """Prefect's task engine logs every end but Completed at ERROR: a stage task that ends Cancelled because its flow
+    run is being stopped (tasks/train.train_stage) would put a red line in a clean cancel's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Finished in state Cancelled("):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def prepare_process() -> None:
     """Both of the above, idempotent: safe to call from the CLI and again inside the flow."""
     quiet_environment()
     install_log_filter()
+    tasks_logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, _CancelledIsNotAnError) for f in tasks_logger.filters):
+        tasks_logger.addFilter(_CancelledIsNotAnError())
 
 
 def work_prefect_home(work_dir: str) -> None:

@@ -46,6 +46,22 @@ class TrackingUnavailable(RuntimeError):
     """The tracking server stayed unreachable mid-run for longer than the retry budget."""
 
 
+# `tessera up` tells its worker the MLflow store it serves: a run tracking into another one says so in its log.
+SERVED_STORE_ENV = "TESSERA_SERVED_TRACKING_URI"
+
+
+def served_elsewhere(tracking_uri: str) -> str | None:
+    """One line when a run's store is not the one `tessera up` serves (its runs and models would not show in that
+    MLflow), else None."""
+    served, mine = os.environ.get(SERVED_STORE_ENV), resolved_uri(tracking_uri)
+    if not served or served == mine:
+        return None
+    return (
+        f"this run tracks into {mine}, not the MLflow store `tessera up` serves ({served}): its runs and models "
+        "show in that store's MLflow, not at the MLflow link `tessera up` printed"
+    )
+
+
 def resolved_uri(uri: str) -> str:
     """Make a relative `sqlite:///` URI absolute, so subprocesses in other directories agree on it."""
     prefix = "sqlite:///"

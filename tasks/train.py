@@ -313,20 +313,45 @@ def _finished(spec: TrainJob, stage_index: int):
 
 
 def _newest_tokens(spec: TrainJob, compute: ComputeConfig) -> int:
-    """The tokens of the run's newest complete checkpoint: where the trainer writes it (the s3 mirror when the
-    ranks run in pods, whose disks the flow never sees)."""
-    from trainers.format.checkpoints import list_complete
-
+    """The tokens of the run's newest complete checkpoint (0: none, or none readable)."""
     try:
-        if compute.backend != "local" and spec.remote_folder:
-            from trainers.remote import RemoteFolder
-
-            done = RemoteFolder(spec.remote_folder).complete()
-        else:
-            done = list_complete(spec.save_folder)
+        newest = newest_checkpoint(spec, compute)
     except Exception:  # noqa: BLE001 - an unreadable folder counts as no progress, never as a failure here
         return 0
-    return max((c.tokens for c in done), default=0)
+    return newest.tokens if newest is not None else 0
+
+
+def newest_checkpoint(spec: TrainJob, compute: ComputeConfig):
+    """The run's newest complete checkpoint, where the trainer writes it (the s3 mirror when the ranks run in pods,
+    whose disks the flow never sees); None when there is none."""
+    from trainers.format.checkpoints import list_complete
+
+    if compute.backend != "local" and spec.remote_folder:
+        from trainers.remote import RemoteFolder
+
+        done = RemoteFolder(spec.remote_folder).complete()
+    else:
+        done = list_complete(spec.save_folder)
+    return max(done, key=lambda c: c.tokens, default=None)
+
+
+def what_stays(job_path: Path, compute: ComputeConfig) -> str:
+    """What a stopped run keeps, for the line that explains its end: its newest checkpoint (tokens, step, stage)
+    and that a rerun resumes from it, or that nothing was saved and a rerun starts fresh."""
+    try:
+        spec = TrainJob.model_validate_json(Path(job_path).read_text())
+    except (OSError, ValueError):  # no job file: the run never got as far as training
+        return "nothing was saved yet, so a rerun of the same run name starts it fresh"
+    try:
+        newest = newest_checkpoint(spec, compute)
+    except Exception:  # noqa: BLE001 - the line must be written whatever the folder's state; say what is known
+        return "its complete checkpoints (if any) stay, and a rerun of the same run name resumes from the newest"
+    if newest is None:
+        return "nothing was saved yet, so a rerun of the same run name starts it fresh"
+    return (
+        f"its checkpoint at {newest.tokens:,} tokens (step {newest.batch:,}, stage {newest.stage}) stays, and a "
+        "rerun of the same run name resumes from it"
+    )
 
 
 def _no_room_for_a_checkpoint(job_path: str) -> str | None:

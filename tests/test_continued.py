@@ -124,7 +124,8 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
 
     with get_client(sync_client=True) as prefect:
         named = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[one.run_name])))
-    assert [r.state.type.value for r in named] == ["COMPLETED"]
+    assert [(r.state.type.value, r.state.name) for r in named] == [("COMPLETED", "Promoted")]
+    assert "promotion:accepted" in named[0].tags
     # measured intervals: the gain's interval holds the gain, over every example of the gauntlet
     low, high = one.decision.gain_interval
     assert low <= one.decision.gain <= high and one.decision.examples > 0
@@ -184,6 +185,14 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     assert two.trained and two.new_files == 1 and not two.decision.accepted
     assert two.run_name.startswith(f"weekly-cpt-v{one.challenger}-") and two.run_name != one.run_name
     assert str(client.get_model_version_by_alias(name, "champion").version) == str(one.challenger)  # did not move
+    # where a person looks first: the flow run's state and tags, not only its log
+    with get_client(sync_client=True) as prefect:
+        (run2,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[two.run_name])))
+    assert (run2.state.type.value, run2.state.name) == ("COMPLETED", "Not promoted")
+    assert run2.state.message.startswith(
+        f"REJECTED: challenger v{two.challenger} not promoted, v{one.challenger} stays champion: "
+    ) and run2.state.message.endswith(two.decision.summary())
+    assert "promotion:rejected" in run2.tags
     loser = client.get_model_version(name, str(two.challenger))
     assert loser.tags["promotion"] == "rejected" and "less than promote.min_gain +1.0000" in " ".join(
         e["text"] for e in decision_history(client, name, two.challenger)

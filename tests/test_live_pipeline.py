@@ -8,6 +8,7 @@ created through the REST API exactly as the UI creates them (a deployment, param
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -29,6 +30,9 @@ SHORT = {
     "stage_tokens": [{"stage": "literary", "tokens": 24576}, {"stage": "stories", "tokens": 8192}],
     "eval_every": 8192,
 }
+
+
+GENERIC_CANCEL = "Flow run was cancelled successfully."  # Prefect's runner's own message
 
 
 def _api(stack, method: str, path: str, **kw):
@@ -141,6 +145,25 @@ def interrupted(live_stack):
         for t in _api(stack, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [first]}}})
     }
     seen["cancel_logs"] = logs(stack, first)
+    seen["cancel_log_levels"] = {
+        r["message"][:120]: r["level"]
+        for r in _api(stack, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [first]}}, "limit": 200})
+    }
+    # Prefect's runner writes a Cancelled of its own once the flow's process is gone, over the flow's; the flow's
+    # explanation must be the last word a minute on, as a person opening the run later reads it
+    deadline = time.monotonic() + 120
+    while True:
+        history = [
+            (s["type"], s["message"])
+            for s in sorted(_api(stack, "GET", f"/flow_run_states/?flow_run_id={first}"), key=lambda s: s["timestamp"])
+        ]
+        if (GENERIC_CANCEL in [m for _, m in history] and history[-1][1] != GENERIC_CANCEL) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(1)
+    seen["cancel_history"] = history
+    seen["cancelled_later"] = flow_run(stack, first)
     seen["after_cancel"] = mlflow_run(stack, name)
 
     second = trigger(stack, run_name=name, if_running="wait", **SHORT)
@@ -170,7 +193,21 @@ def test_cancel_from_the_ui_stops_every_rank_and_marks_the_mlflow_run(interrupte
     assert interrupted["cancel_stop_s"] < 30, f"trainer still alive {interrupted['cancel_stop_s']:.0f} s after cancel"
     state = interrupted["cancelled"]["state"]
     assert (state["type"], state["name"]) == ("CANCELLED", "Cancelled")
-    assert state["message"].startswith("cancelled: every rank of run 'chain' was stopped; its last complete checkpoint")
+    assert re.fullmatch(
+        r"cancelled: every rank of run 'chain' was stopped; its checkpoint at ([\d,]+) tokens \(step [\d,]+, stage "
+        r"literary\) stays, and a rerun of the same run name resumes from it",
+        state["message"],
+    ), state["message"]
+    # the checkpoint it names is one the run has (8,192 tokens or later: the cancel came after that one)
+    said = int(re.search(r"checkpoint at ([\d,]+) tokens", state["message"])[1].replace(",", ""))
+    assert said >= 8192
+    # the runner's own "Flow run was cancelled successfully." came after it and did not stay the last word
+    later = interrupted["cancelled_later"]["state"]
+    assert GENERIC_CANCEL in [m for _, m in interrupted["cancel_history"]], interrupted["cancel_history"]
+    assert (later["type"], later["name"], later["message"]) == ("CANCELLED", "Cancelled", state["message"])
+    # a clean cancel is not an error: no ERROR line in the run's log (the stage task's Cancelled end included)
+    errors = {m: level for m, level in interrupted["cancel_log_levels"].items() if level >= 40}
+    assert not errors, errors
     # Cancelled within seconds of the ranks being gone, said by the flow itself, not a red failure anywhere
     assert interrupted["cancelled_s"] - interrupted["cancel_stop_s"] < 10, interrupted["cancelled_s"]
     assert interrupted["cancel_tasks"]["train-literary"][0] == "CANCELLED", interrupted["cancel_tasks"]

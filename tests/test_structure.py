@@ -192,3 +192,26 @@ def test_only_layout_removes_checkpoints():
         "a trainers module removes files without being listed; checkpoints are removed only through "
         f"trainers/layout.py: {sorted(removing - {'layout'} - set(REMOVES_OTHER_FILES))}"
     )
+
+
+def _test_functions() -> int:
+    """Test functions pytest collects (before parametrization): test_* at module level and in Test* classes."""
+    count = 0
+    for path in (ROOT / "tests").glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        bodies = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")]
+        count += sum(
+            isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test_")
+            for body in bodies
+            for n in body
+        )
+    return count
+
+
+def test_the_docs_count_the_tests_there_are():
+    """A figure the docs state about the suite comes from the suite: it once said 248 when 369 existed."""
+    stated = re.search(r"the suite has ([\d,]+) test functions", (ROOT / "docs" / "testing.md").read_text())
+    assert stated is not None, "docs/testing.md no longer states the suite's size"
+    assert int(stated[1].replace(",", "")) == _test_functions(), (
+        f"docs/testing.md says {stated[1]} test functions; tests/ has {_test_functions()}: update the sentence"
+    )
