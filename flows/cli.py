@@ -95,8 +95,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deploy import DeployError, deploy
 
+    if args.recipe:
+        from flows.recipe import load_recipe
+
+        load_recipe(args.recipe)  # a form default that does not load: one line, before anything is published
     try:
-        deployed = deploy(args.names, args.pool)
+        deployed = deploy(args.names, args.pool, recipe=args.recipe)
     except DeployError as exc:
         print(f"tessera: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -215,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dep.add_argument(
         "--pool", default=None, help="Work pool for all of them instead of prefect.yaml's (created if missing)."
+    )
+    dep.add_argument(
+        "--recipe",
+        default=None,
+        help="Make this recipe every form's default (the one whose MLflow store your server shows); "
+        "default: prefect.yaml's.",
     )
     dep.set_defaults(func=cmd_deploy)
 

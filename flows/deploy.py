@@ -201,8 +201,28 @@ def _last_line(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+def recipe_default(recipe: str, root: Path = PROJECT_ROOT) -> str:
+    """The recipe as a form's default: relative to the checkout when inside it (flow runs start there, and the
+    form stays readable), else absolute."""
+    path = Path(recipe).resolve()
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def with_recipe(raw: dict[str, Any], recipe: str | None) -> dict[str, Any]:
+    """A deployment entry whose form defaults to `recipe` wherever prefect.yaml names one (params.recipe)."""
+    params = (raw.get("parameters") or {}).get("params")
+    if recipe is None or not isinstance(params, dict) or "recipe" not in params:
+        return raw
+    return {**raw, "parameters": {**raw["parameters"], "params": {**params, "recipe": recipe_default(recipe)}}}
+
+
 def _run_prefect_deploy(
-    project: Project, specs: list[DeploymentSpec], pool: str | None, url: str, log: Path | None
+    project: Project,
+    specs: list[DeploymentSpec],
+    pool: str | None,
+    url: str,
+    log: Path | None,
+    recipe: str | None = None,
 ) -> None:
     """`prefect --no-prompt deploy --all` over a copy of prefect.yaml holding only `specs`.
 
@@ -210,7 +230,10 @@ def _run_prefect_deploy(
     `prefect deploy` ignores `--pool` (and every other flag). It runs from the project root because
     Prefect's default pull step records that directory as the flow runs' working directory.
     """
-    chosen = [s.raw if pool is None else {**s.raw, "work_pool": {**s.raw["work_pool"], "name": pool}} for s in specs]
+    chosen = [
+        with_recipe(s.raw if pool is None else {**s.raw, "work_pool": {**s.raw["work_pool"], "name": pool}}, recipe)
+        for s in specs
+    ]
     command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"]
     if len(specs) == 1:
         # a single deployment goes through `prefect deploy`'s single path, where a configured default
@@ -264,10 +287,16 @@ def _published(specs: list[DeploymentSpec]) -> list[Deployed]:
 
 
 def deploy(
-    names: list[str] | None = None, pool: str | None = None, *, log: Path | None = None, project: Project | None = None
+    names: list[str] | None = None,
+    pool: str | None = None,
+    *,
+    log: Path | None = None,
+    project: Project | None = None,
+    recipe: str | None = None,
 ) -> list[Deployed]:
     """Publish the named deployments (default: all) to the server in PREFECT_API_URL, creating
-    missing work pools; `pool` moves them all to that pool. Raises DeployError (one line)."""
+    missing work pools; `pool` moves them all to that pool, `recipe` makes it every form's default recipe (the
+    one whose MLflow store `tessera up` serves). Raises DeployError (one line)."""
     project = project or load_project()
     specs = _selected(project, names or [])
     url = reachable_api_url()
@@ -276,5 +305,5 @@ def deploy(
     from tasks.run_slot import ensure_names_lock
 
     ensure_names_lock()  # run names' slots are created through it (tasks/run_slot.py)
-    _run_prefect_deploy(project, specs, pool, url, log)
+    _run_prefect_deploy(project, specs, pool, url, log, recipe)
     return _published(specs)

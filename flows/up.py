@@ -21,11 +21,20 @@ from pathlib import Path
 import httpx
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.deploy import QUIET_ENV, Deployed, DeployError, Project, deploy, ensure_pool, load_project
+from flows.deploy import (
+    QUIET_ENV,
+    Deployed,
+    DeployError,
+    Project,
+    deploy,
+    ensure_pool,
+    load_project,
+    recipe_default,
+)
 from flows.recipe import Recipe, load_recipe
 from flows.runtime import EXIT_BAD_INPUT, EXIT_FAILED, PREFECT_SERVER_OUTAGE
 from flows.up_stack import Service, UpError, _become_subreaper, _Stack
-from tasks.mlflow_run import resolved_uri
+from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri
 from tasks.run_slot import ensure_names_lock
 
 LOCAL_POOL = "tessera-local"
@@ -123,6 +132,7 @@ class _Plan:
     worker: Service
     mlflow: Service | None
     ports: dict[str, int]
+    recipe: str  # every form's default recipe: the one whose store is served
 
     @property
     def logs(self) -> Path:
@@ -179,6 +189,7 @@ def _plan(opts: UpOptions, recipe: Recipe, project: Project) -> _Plan:
             **home,
             "PREFECT_API_URL": api,
             "TESSERA_MLFLOW_UI_URL": mlflow_url,
+            SERVED_STORE_ENV: tracking,  # a run on another recipe's store says so (flows/pipeline.py)
             "PREFECT_WORKER_QUERY_SECONDS": "2",
         },  # a click in the UI starts a run within seconds
         logs / "prefect-worker.log",
@@ -214,7 +225,17 @@ def _plan(opts: UpOptions, recipe: Recipe, project: Project) -> _Plan:
         )
     ports = {"--prefect-port": opts.prefect_port, **({"--mlflow-port": opts.mlflow_port} if own_mlflow else {})}
     return _Plan(
-        work_dir, api, ui, mlflow_url, tracking if own_mlflow else None, worker_name, server, worker, mlflow, ports
+        work_dir,
+        api,
+        ui,
+        mlflow_url,
+        tracking if own_mlflow else None,
+        worker_name,
+        server,
+        worker,
+        mlflow,
+        ports,
+        opts.recipe,
     )
 
 
@@ -273,7 +294,7 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
                 ensure_pool(project, LOCAL_POOL)
                 ensure_names_lock()  # also with --no-deploy: run names' slots are created through it
                 stack.start(plan.worker)  # it boots while the deployments are published
-                deployed = deploy(project=project, log=plan.logs / "deploy.log") if publish else []
+                deployed = deploy(project=project, log=plan.logs / "deploy.log", recipe=plan.recipe) if publish else []
         except DeployError as exc:
             raise UpError(f"deploy: {exc}") from None
         stack.wait_for(plan.worker, lambda: _worker_online(plan.api, plan.worker_name, since))
@@ -320,19 +341,35 @@ def _write_state(plan: _Plan, stack: _Stack) -> None:
     (plan.logs / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 
+# MLflow 3.17 opens its bare address on its GenAI view, and neither a server option nor an experiment tag changes
+# that: the view follows the page's `workflowType`, then the browser's last choice (checked in headless Chromium).
+MLFLOW_VIEW_NOTE = (
+    "(MLflow's bare address opens its GenAI view and no server setting changes that; this link opens model "
+    "training, and its 'Model training' switch keeps it for your browser)"
+)
+
+
+def mlflow_ui(base: str) -> str:
+    """The MLflow page a person should land on: the experiments, in the model-training view."""
+    return f"{base.rstrip('/')}/#/experiments?workflowType=machine_learning"
+
+
 def _print_ready(seconds: float, plan: _Plan, deployed: list[Deployed], stack: _Stack) -> None:
     width = max((len(f"{d.flow_name}/{d.name}") for d in deployed), default=0)
     lines = [
         f"tessera up: ready in {seconds:.1f} s (Ctrl-C stops everything)",
         f"  Prefect UI   {plan.ui}",
         f"  Prefect API  {plan.api}   (export PREFECT_API_URL={plan.api} to use it from a shell)",
-        f"  MLflow UI    {plan.mlflow_url}"
+        f"  MLflow UI    {mlflow_ui(plan.mlflow_url)}"
         + (f"   (store {plan.store})" if plan.store else "   (the recipe's own server: not started here)"),
+        f"  {'':<12} {MLFLOW_VIEW_NOTE}",
         f"  worker       {plan.worker_name} on work pool {LOCAL_POOL}",
         "  errors       what these services log as an error is printed here as it happens",
     ]
     for i, d in enumerate(deployed):
         lines.append(f"  {'deployments' if i == 0 else '':<12} {f'{d.flow_name}/{d.name}':<{width}}  {d.url}")
+    if deployed:
+        lines.append(f"  {'':<12} every form's recipe defaults to {recipe_default(plan.recipe)}")
     logs = [s.log for s in stack.services.values()] + ([plan.logs / "deploy.log"] if deployed else [])
     for i, log in enumerate(logs):
         lines.append(f"  {'logs' if i == 0 else '':<12} {log}")

@@ -168,11 +168,18 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
         assert {f: form[f].get("description") for f in model.model_fields} == {
             f: info.description for f, info in model.model_fields.items()
         }
-    assert deployment(api, "pretrain_pipeline/pretrain")["parameters"] == {"params": {"recipe": "configs/tiny.yaml"}}
-    assert deployment(api, "prepare_data/prepare")["parameters"] == {"params": {"recipe": "configs/tiny.yaml"}}
+    # every form defaults to the recipe `tessera up` was given (whose MLflow store it serves), not prefect.yaml's
+    served = str(Path(live_stack.recipe).resolve())  # outside the checkout: absolute
+    assert deployment(api, "pretrain_pipeline/pretrain")["parameters"] == {"params": {"recipe": served}}
+    assert deployment(api, "prepare_data/prepare")["parameters"] == {"params": {"recipe": served}}
     assert deployment(api, "tessera-eval/eval")["parameters"] == {}
     weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
-    assert weekly["parameters"] == {"params": {"recipe": "configs/tiny.yaml", "new_data": "data/incoming"}}
+    assert weekly["parameters"] == {"params": {"recipe": served, "new_data": "data/incoming"}}
+    printed = live_stack.output.read_text()
+    assert f"every form's recipe defaults to {served}" in printed
+    # the MLflow link that lands on training, and the one line on why the bare address does not
+    assert f"MLflow UI    {live_stack.mlflow_url}/#/experiments?workflowType=machine_learning" in printed
+    assert "MLflow's bare address opens its GenAI view and no server setting changes that" in printed
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in weekly["schedules"]] == [
         ("0 3 * * 1", "UTC", True)
     ]
@@ -205,7 +212,7 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
 
 
 def test_deploy_prints_one_url_per_deployment_and_is_idempotent(live_stack):
-    runs = [tessera("deploy", env=live_stack.env) for _ in range(2)]
+    runs = [tessera("deploy", "--recipe", str(live_stack.recipe), env=live_stack.env) for _ in range(2)]
     ids = []
     for run in runs:
         assert run.returncode == 0, run.stderr
@@ -215,6 +222,12 @@ def test_deploy_prints_one_url_per_deployment_and_is_idempotent(live_stack):
         assert all(url.startswith(prefix) for url in lines.values())
         ids.append({name: url.removeprefix(prefix) for name, url in lines.items()})
     assert ids[0] == ids[1] == {name: deployment(live_stack.api_url, name)["id"] for name in PARAMS}
+    served = str(Path(live_stack.recipe).resolve())
+    assert deployment(live_stack.api_url, "pretrain_pipeline/pretrain")["parameters"] == {"params": {"recipe": served}}
+    # prefect.yaml's own default without --recipe; a recipe that does not load is one line and publishes nothing
+    bad = tessera("deploy", "pretrain", "--recipe", "/nonexistent/recipe.yaml", env=live_stack.env)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "/nonexistent/recipe.yaml" in bad.stderr
+    assert deployment(live_stack.api_url, "pretrain_pipeline/pretrain")["parameters"] == {"params": {"recipe": served}}
     # publishing again re-activates the weekly schedule: pause it again (see the cron test)
     prefect_api("POST", f"{live_stack.api_url}/deployments/{ids[1][WEEKLY]}/pause_deployment")
 
@@ -405,17 +418,39 @@ def test_sigterm_stops_every_process_up_started_and_nothing_else(tmp_path):
                 "SELECT fr.state_type, fr.state_name, s.message FROM flow_run fr JOIN flow_run_state s "
                 "ON s.id = fr.state_id WHERE fr.parent_task_run_id IS NULL"
             ).fetchall()
-        assert rows == [
-            (
-                "CANCELLED",
-                "Cancelled",
-                "stopped by `tessera up` shutting down (SIGTERM): every rank of run "
-                "'tiny' was stopped; its last complete checkpoint stays, and a rerun of the same run name "
-                "resumes from it",
-            )
-        ]
+        assert [(kind, name) for kind, name, _ in rows] == [("CANCELLED", "Cancelled")]
+        # what stays, as the run's folder has it: the newest checkpoint, or nothing yet (stopped before the first)
+        from trainers.format.checkpoints import list_complete
+
+        saved = list_complete(tmp_path / "work" / "runs" / "tiny" / "checkpoints")
+        kept = (
+            f"its checkpoint at {saved[-1].tokens:,} tokens (step {saved[-1].batch:,}, stage {saved[-1].stage}) "
+            "stays, and a rerun of the same run name resumes from it"
+            if saved
+            else "nothing was saved yet, so a rerun of the same run name starts it fresh"
+        )
+        assert rows[0][2] == (
+            f"stopped by `tessera up` shutting down (SIGTERM): every rank of run 'tiny' was stopped; {kept}"
+        )
     finally:
         if up.poll() is None:
             stop_tree(started_by(up.pid))
         sibling.kill()
         sibling.wait()
+
+
+def test_a_run_on_another_recipes_store_says_so_in_one_line(monkeypatch, tmp_path):
+    """`tessera up` tells its worker the store it serves; a form run on a recipe tracking elsewhere is told."""
+    from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri, served_elsewhere
+
+    served = resolved_uri(f"sqlite:///{tmp_path / 'served' / 'mlflow.db'}")
+    monkeypatch.setenv(SERVED_STORE_ENV, served)
+    assert served_elsewhere(f"sqlite:///{tmp_path / 'served' / 'mlflow.db'}") is None
+    other = f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}"
+    line = served_elsewhere(other)
+    assert line == (
+        f"this run tracks into {resolved_uri(other)}, not the MLflow store `tessera up` serves ({served}): its runs "
+        "and models show in that store's MLflow, not at the MLflow link `tessera up` printed"
+    )
+    monkeypatch.delenv(SERVED_STORE_ENV)
+    assert served_elsewhere(other) is None  # `tessera run` and workers `tessera up` did not start: nothing to say
