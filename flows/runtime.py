@@ -70,11 +70,18 @@ def bad_input_types() -> tuple[type[BaseException], ...]:
     )
 
 
+# What Prefect's engine logs, at ERROR, when a flow raises: after bad input it repeats, in red, what the run's one-line
+# Failed message already says.
+ENGINE_EXITED = "Engine execution exited with unexpected exception"
+
+
 class _NoTracebackForBadInput(logging.Filter):
     """Prefect logs every task failure with its traceback; for bad input the one-line message is the story."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], bad_input_types()):
+            if record.msg == ENGINE_EXITED:
+                return False
             record.exc_info, record.exc_text = None, None
         return True
 

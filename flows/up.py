@@ -303,7 +303,7 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
         _write_state(plan, stack)
         _print_ready(time.monotonic() - started, plan, deployed, stack)
         quiet_stop = False
-        code = stack.supervise()
+        code = stack.supervise(every_10s=_unstick(plan.api))
     except _Stopped as stop:
         code, quiet_stop = 0, False
         name = "Ctrl-C" if stop.args and stop.args[0] == signal.SIGINT else "SIGTERM"
@@ -325,6 +325,24 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
         if not quiet_stop:
             print("tessera up: stopped", flush=True)
     return code
+
+
+def _unstick(api: str):
+    """Flow runs a deleted deployment would leave stuck (tasks/stuck_runs.py): unstuck or ended, and said here."""
+    from tasks.stuck_runs import Reconciler
+
+    reconciler = Reconciler()
+
+    def round_() -> None:
+        try:
+            with temporary_settings({PREFECT_API_URL: api}):
+                lines = reconciler.round()
+        except Exception:  # noqa: BLE001 - a server that is restarting: the next round looks again
+            return
+        for line in lines:
+            print(f"tessera up: {line}", flush=True)
+
+    return round_
 
 
 def _write_state(plan: _Plan, stack: _Stack) -> None:

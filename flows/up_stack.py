@@ -105,13 +105,18 @@ class _Stack:
                 raise UpError(f"{service.name} was not ready after {timeout:.0f} s; see {service.log}")
             time.sleep(0.5)
 
-    def supervise(self) -> int:
-        """Until a signal: report a service that exits; stop everything if it was an essential one."""
+    def supervise(self, every_10s: Callable[[], None] | None = None) -> int:
+        """Until a signal: report a service that exits; stop everything if it was an essential one. `every_10s`
+        runs between (tessera up's reconciliation of stuck flow runs)."""
         reported: set[str] = set()
+        last = time.monotonic()
         while True:
             time.sleep(1.0)
             self._reap_orphans()
             self.errors.poll()
+            if every_10s is not None and time.monotonic() - last >= 10.0:
+                last = time.monotonic()
+                every_10s()
             for service in self.services.values():
                 code = service.process.poll()
                 if code is None or service.name in reported:

@@ -454,3 +454,32 @@ def test_a_run_on_another_recipes_store_says_so_in_one_line(monkeypatch, tmp_pat
     )
     monkeypatch.delenv(SERVED_STORE_ENV)
     assert served_elsewhere(other) is None  # `tessera run` and workers `tessera up` did not start: nothing to say
+
+
+def test_up_unsticks_a_run_whose_deployment_was_deleted_while_it_ran(live_stack):
+    """`tessera up` revokes the lease a deleted deployment's live run holds, so the run can still end (without it
+    Prefect's server answers 500 to every transition of that run: tests/test_stuck_runs.py)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Completed, Pending, Running
+
+    with temporary_settings({PREFECT_API_URL: live_stack.api_url}), get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("stuck-probe")
+        deployment = client.create_deployment(
+            flow_id=flow_id, name="deleted-while-running", concurrency_limit=1, entrypoint="x.py:probe"
+        )
+        run = client.create_flow_run_from_deployment(deployment)  # no work pool: no worker picks it up
+        for state in (Pending(), Running()):
+            client.set_flow_run_state(run.id, state)
+        client.delete_deployment(deployment)
+        deadline = time.monotonic() + 60
+        while client.read_flow_run(run.id).state.state_details.deployment_concurrency_lease_id is not None:
+            said = live_stack.output.read_text()
+            if f"({run.id}): its deployment or its concurrency limit was removed" in said:
+                break
+            assert time.monotonic() < deadline, said[-2000:]
+            time.sleep(1)
+        assert client.set_flow_run_state(run.id, Completed()).state.type.value == "COMPLETED"
+    assert f"tessera up: flow run {run.name!r} ({run.id}): its deployment or its concurrency limit was removed" in (
+        live_stack.output.read_text()
+    )
