@@ -960,13 +960,15 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
             cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && exec {shlex.join(cmd)}"]
         with open(logs / "launcher.log", "ab") as out:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT))
-    return tuple(p.wait(timeout=300) for p in procs)
+    # a ceiling for a hung launch, not a speed bound: at load 10-15 one launch took over 300 s
+    return tuple(p.wait(timeout=900) for p in procs)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
     not can_unshare_mounts(), reason="needs `unshare -m` (a private mount namespace) to give node 1 its own disk"
 )
+@pytest.mark.timeout(2400)  # three two-node launches; each bounded above, the whole is not a speed claim
 def test_two_nodes_without_a_shared_folder_resume_through_s3(reference, tmp_path, sources, moto_s3):
     """Rank 1 lives on "node 1", whose disk never sees rank 0's checkpoints. It is SIGKILLed after step 7;
     the relaunch plans on rank 0, hands the plan over the launch's store, node 1 fetches the checkpoint from

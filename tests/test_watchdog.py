@@ -276,7 +276,6 @@ def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_prog
 
     monkeypatch.setenv("TESSERA_FAULT", "stall-save:600")
     job, job_path = _job(tmp_path, source, save_s=6, bytes_per_s=1e12, no_progress_launches=2)
-    started = time.time()
     outcome, logs = _run_stage(job_path)
     assert isinstance(outcome, NoProgress), outcome
     assert str(outcome).startswith(
@@ -287,23 +286,26 @@ def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_prog
     assert [r["kind"] for r in launches] == ["preempted", "preempted"]
     for record in launches:
         assert record["hung"]["phase"] == "save" and 6 <= record["hung"]["budget_s"] < 7
-        assert record["hung"]["silent_s"] < 12
-    assert time.time() - started < 120
+        # caught on the save budget, not the step's 60 s: the slack covers a loaded machine's late watchdog round
+        assert record["hung"]["silent_s"] < 40
     assert sum("hung in phase save" in m for m in logs) == 1  # the second hang ended the stage instead
 
 
 @pytest.mark.slow
 def test_a_slowed_rank_is_reported_with_its_rank(prefect_harness, tmp_path, source, monkeypatch, mlflow_uri):
-    """Rank 1 computes 0.15 s longer each step (a fault hook): rank 0 compares the ranks' timings every 8 steps
-    through the store; the flow says once which rank is slow; MLflow gets ranks/slowest_over_median and a tag.
-    The launch's preflight saw it first: rank 1's matmul probe, slowed alike, is named far below its peer's."""
+    """Rank 1 computes three times as long as it would (a fault hook, by ratio: a loaded machine slows both ranks
+    alike, where an absolute 0.15 s drowned in its noise): rank 0 compares the ranks' timings every 8 steps through
+    the store; the flow says once which rank is slow; MLflow gets ranks/slowest_over_median and a tag. The launch's
+    preflight saw it first: rank 1's matmul probe, slowed alike, is named far below its peer's. (Every rank slow
+    alike is no straggler: the comparison is to the median, so none is named, and the slowness shows only in the
+    group's tokens/s; docs/operations.md says so.)"""
     from mlflow.tracking import MlflowClient
 
     from tests.support.training import write_job
     from trainers.config import MlflowTarget
     from trainers.progress import parse_ranks
 
-    monkeypatch.setenv("TESSERA_FAULT", "slow:0.15")
+    monkeypatch.setenv("TESSERA_FAULT", "slow:x3")
     monkeypatch.setenv("TESSERA_FAULT_RANK", "1")
     client = MlflowClient(mlflow_uri)
     run_id = client.create_run(client.create_experiment("slow")).info.run_id
@@ -322,7 +324,7 @@ def test_a_slowed_rank_is_reported_with_its_rank(prefect_harness, tmp_path, sour
     for report in reports[1:]:  # the first window holds the first step's warm-up
         assert report["slowest"]["rank"] == 1 and report["slow"], report
         fast, slow = sorted(report["ranks"], key=lambda r: r["rank"])
-        assert slow["compute_s"] > fast["compute_s"] + 0.1 and fast["collective_s"] > slow["collective_s"]
+        assert slow["compute_s"] > 2 * fast["compute_s"] and fast["collective_s"] > slow["collective_s"]
     history = client.get_metric_history(run_id, "ranks/slowest_over_median")
     assert sorted(m.step for m in history) == [8 * STEP, 16 * STEP, 24 * STEP, 32 * STEP]
     assert all(m.value > 1.5 for m in history if m.step > 8 * STEP)

@@ -5,7 +5,8 @@ One module holds every hook, so what a test can do to a trainer is read in one p
 `TESSERA_FAULT=stall-<point>:<seconds>` (node: a node's checkpoint fetch; launch: a launch's start, before it
 plans; save: a checkpoint save), `TESSERA_FAULT_RANK=<r>` (only on that rank), `TESSERA_FAULT_STAGE=<k>` (only in
 stage k), `TESSERA_FAULT_ONCE=<file>` (a kill only in the first launch that reaches it),
-`TESSERA_FAULT=slow:<seconds>` (a straggler: each step, and the preflight's matmul, that much slower),
+`TESSERA_FAULT=slow:<seconds>` (a straggler: each step, and the preflight's matmul, that much slower; `slow:x<F>`,
+F times as slow),
 `TESSERA_FAULT=slow-save:<seconds>` (a throttled writer: a save that writes a little at a time for that long),
 `TESSERA_FREEZE=rank|group:<tokens>` with `TESSERA_FREEZE_RANK` and `TESSERA_FREEZE_ONCE` (a SIGSTOP of the rank,
 or of its whole process group, right after a step: a hang for the watchdog) and `TESSERA_SAMPLE_LOG=<file>` (what
@@ -81,15 +82,29 @@ def maybe_freeze(tokens: int, phase: str = "after") -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def slowed_by() -> float:
-    """`TESSERA_FAULT=slow:<seconds>` on this rank (TESSERA_FAULT_RANK, else every rank): how much longer each step
-    computes, and the preflight's matmul probe too (a straggler node is slow at both); 0 otherwise."""
+def _slow_spec() -> str | None:
+    """What follows `slow:` in TESSERA_FAULT on this rank (TESSERA_FAULT_RANK, else every rank), else None."""
     spec = os.environ.get(FAULT_ENV, "")
     if spec.startswith("slow:") and os.environ.get("TESSERA_FAULT_RANK", os.environ.get("RANK")) == os.environ.get(
         "RANK", "0"
     ):
-        return float(spec.split(":", 1)[1])
-    return 0.0
+        return spec.split(":", 1)[1]
+    return None
+
+
+def slowed_by() -> float:
+    """`TESSERA_FAULT=slow:<seconds>`: how much longer each step computes on this rank, and the preflight's matmul
+    probe too (a straggler node is slow at both); 0 otherwise."""
+    value = _slow_spec()
+    return float(value) if value and not value.startswith("x") else 0.0
+
+
+def slow_factor() -> float:
+    """`TESSERA_FAULT=slow:x<F>`: this rank computes F times as long as it would, each step and the preflight's
+    probe: a straggler by a ratio, which a loaded machine slows like its peers (an absolute delay drowns in the
+    noise of a machine at load 10); 1 otherwise."""
+    value = _slow_spec()
+    return float(value[1:]) if value and value.startswith("x") else 1.0
 
 
 def maybe_fault(point: str, tokens: int, path: Path | None = None) -> None:
@@ -129,7 +144,8 @@ class Probe(Callback):
     the global sample indices the step trained on (per rank) and the rank-averaged loss.
     TESSERA_FAULT=step:<tokens>: SIGKILL right after the step that ends at <tokens>.
     TESSERA_FAULT=nan:<tokens>: the step that ends at <tokens> computes a NaN loss.
-    TESSERA_FAULT=slow:<seconds>: every step computes <seconds> longer (on TESSERA_FAULT_RANK only): a straggler.
+    TESSERA_FAULT=slow:<seconds>: every step computes <seconds> longer (on TESSERA_FAULT_RANK only): a straggler;
+    slow:x<F>: every step takes F times this rank's own last step.
     TESSERA_PEAK_LOG=<file>: at the stage's end every rank appends {rank, peak_mb, end_mb, save_s}: its peak
     and current resident memory (VmHWM, VmRSS) and the seconds each checkpoint save blocked it
     (bench/shard_memory.py).
@@ -138,6 +154,9 @@ class Probe(Callback):
     def __init__(self):
         self.sample_log = os.environ.get("TESSERA_SAMPLE_LOG")
         self.peak_log = os.environ.get("TESSERA_PEAK_LOG")
+        self.factor = slow_factor()
+        self._step_started: float | None = None
+        self._last_step_s = 0.0  # this rank's own last step, for slow:x<F>
 
     def before_dataloader(self, state: State, logger: Logger) -> None:
         maybe_freeze(int(state.timestamp.token), "data")  # after the heartbeat said `data`
@@ -149,15 +168,18 @@ class Probe(Callback):
         maybe_freeze(int(state.timestamp.token), "eval")
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        slow = slowed_by()
+        slow = slowed_by() + (self.factor - 1.0) * self._last_step_s
         if slow:
             time.sleep(slow)
+        self._step_started = time.monotonic()
         if os.environ.get(FAULT_ENV) == f"nan:{int(state.timestamp.token) + _step_tokens(state)}":
             # Test hook: poison one weight so this step's forward really produces a NaN loss.
             with torch.no_grad():
                 next(state.model.parameters()).view(-1)[0] = float("nan")
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        if self._step_started is not None:
+            self._last_step_s = time.monotonic() - self._step_started
         tokens = int(state.timestamp.token)
         if self.sample_log:
             mine = state.batch["sample_idx"].tolist()

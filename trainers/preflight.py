@@ -36,7 +36,7 @@ import torch
 from trainers.config import TrainJob
 from trainers.disk import existing, human_bytes
 from trainers.exit_codes import FatalError, InfrastructureError
-from trainers.faults import slowed_by
+from trainers.faults import slow_factor, slowed_by
 from trainers.model import checkpoint_bytes
 from trainers.progress import format_preflight
 from trainers.remote import RemoteFolder
@@ -105,7 +105,7 @@ def matmul_gflops(device: torch.device) -> float:
     torch.matmul(a, b)  # warm up: the first call pays for kernel selection
     _sync(device)
     rounds, start = 0, time.perf_counter()
-    time.sleep(slowed_by())  # test hook: a straggler's probe
+    time.sleep(slowed_by() + MATMUL_S * (1 - 1 / slow_factor()))  # test hook: a straggler's probe
     while True:
         torch.matmul(a, b)
         rounds += 1

@@ -196,7 +196,7 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 300) -> None:  # MLflow 3's first start migrates its store: minutes at load 10
         mlflow = Path(sys.executable).with_name("mlflow")
         cmd = [
             str(mlflow),
