@@ -216,6 +216,58 @@ def with_recipe(raw: dict[str, Any], recipe: str | None) -> dict[str, Any]:
     return {**raw, "parameters": {**raw["parameters"], "params": {**params, "recipe": recipe_default(recipe)}}}
 
 
+def recipe_schema(schema: dict[str, Any], recipe) -> dict[str, Any]:
+    """A form's parameter schema with the bounds only its recipe knows, so Prefect's UI marks them in place and
+    the server (the deployments enforce their schema) refuses them: the stage budgets' *Stage* is a choice of
+    the recipe's stages, a budget and `eval_every` are multiples of the tokens a step trains
+    (trainers/config.batch_alignment_error: each stage's own step for its budget, the run's for eval.every).
+    A budget row's multiple differs per stage where stages differ in batch or length; the schema then says the
+    multiple all of them share, and the flow refuses the rest in one line first thing."""
+    import copy
+    import math
+
+    patched = copy.deepcopy(schema)
+    seq_len, batch = recipe.data.seq_len, recipe.train.global_batch_size
+    steps = [(s.global_batch_size or batch) * (s.seq_len or seq_len) for s in recipe.train.stages]
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        props = node.get("properties")
+        if isinstance(props, dict):
+            if "eval_every" in props:
+                props["eval_every"]["multipleOf"] = batch * seq_len
+            if {"stage", "tokens"} <= set(props):  # a stage budget row (flows/recipe.StageBudget)
+                props["stage"]["enum"] = [s.name for s in recipe.train.stages]
+                props["tokens"]["multipleOf"] = math.gcd(*steps)
+        for value in node.values():
+            walk(value)
+
+    walk(patched)
+    return patched
+
+
+def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: str) -> None:
+    """Each published form that takes a recipe, bounded by `recipe` (recipe_schema)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from flows.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    with get_client(sync_client=True) as client:
+        for spec, published in zip(specs, deployed, strict=True):
+            if with_recipe(spec.raw, recipe) is spec.raw:  # its form names no recipe (eval)
+                continue
+            found = client.read_deployment(published.id)
+            schema = recipe_schema(found.parameter_openapi_schema or {}, loaded)
+            client.update_deployment(found.id, DeploymentUpdate(parameter_openapi_schema=schema))
+
+
 def _run_prefect_deploy(
     project: Project,
     specs: list[DeploymentSpec],
@@ -306,4 +358,7 @@ def deploy(
 
     ensure_names_lock()  # run names' slots are created through it (tasks/run_slot.py)
     _run_prefect_deploy(project, specs, pool, url, log, recipe)
-    return _published(specs)
+    deployed = _published(specs)
+    if recipe is not None:
+        _constrain(specs, deployed, recipe)
+    return deployed

@@ -101,9 +101,18 @@ class _CancelledIsNotAnError(logging.Filter):
     run is being stopped (tasks/train.train_stage) would put a red line in a clean cancel's log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.ERROR and str(record.msg).startswith("Finished in state Cancelled("):
+        text = str(record.msg)
+        # the stage task stopped with its flow, or a task (a registration) the task runner cancelled as the stopping
+        # flow shut it down: Prefect calls the latter a crash, in red, though nothing went wrong
+        if record.levelno == logging.ERROR and (
+            text.startswith("Finished in state Cancelled(") or RUNNER_CANCELLED in text
+        ):
             record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
         return True
+
+
+RUNNER_CANCELLED = "CancelledError: Task run cancelled by the task runner"
 
 
 def prepare_process() -> None:

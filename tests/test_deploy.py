@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -175,6 +176,20 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     assert deployment(api, "tessera-eval/eval")["parameters"] == {}
     weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
     assert weekly["parameters"] == {"params": {"recipe": served, "new_data": "data/incoming"}}
+    # and the bounds only that recipe knows: its stages to choose from, the tokens of a step to be a multiple of
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(served)
+    form = deployment(api, "pretrain_pipeline/pretrain")["parameter_openapi_schema"]["definitions"]["PipelineParams"]
+    step = recipe.train.global_batch_size * recipe.data.seq_len
+    assert form["properties"]["eval_every"]["multipleOf"] == step
+    row = form["properties"]["stage_tokens"]["items"]["properties"]
+    steps = [
+        (s.global_batch_size or recipe.train.global_batch_size) * (s.seq_len or recipe.data.seq_len)
+        for s in recipe.train.stages
+    ]
+    assert row["stage"]["enum"] == [s.name for s in recipe.train.stages]
+    assert row["tokens"]["multipleOf"] == math.gcd(*steps)
     printed = live_stack.output.read_text()
     assert f"every form's recipe defaults to {served}" in printed
     # the MLflow link that lands on training, and the one line on why the bare address does not

@@ -336,6 +336,22 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
         json={"parameters": {"params": {"recipe": str(stack.recipe), "lr": 5}}},
     )
     assert refused.status_code == 409 and "lr" in refused.text  # no flow run was created at all
+    # the bounds only the served recipe knows are in the form's schema too: refused by the server, marked by the UI
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(str(stack.recipe))
+    step = recipe.train.global_batch_size * recipe.data.seq_len
+    for bad, field in (
+        ({"eval_every": step + 1}, "eval_every"),
+        ({"stage_tokens": [{"stage": "no-such-stage", "tokens": step}]}, "stage"),
+        ({"stage_tokens": [{"stage": recipe.train.stages[0].name, "tokens": step + 1}]}, "tokens"),
+    ):
+        answer = httpx.post(
+            f"{stack.api_url}/deployments/{deployment['id']}/create_flow_run",
+            timeout=30,
+            json={"parameters": {"params": {"recipe": str(stack.recipe), **bad}}},
+        )
+        assert answer.status_code == 409 and field in answer.text, (bad, answer.text)
     # the UI's "Validate parameters" switched off: the flow checks the same bounds first thing, in one line
     unchecked = _api(
         stack,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.recipe import load_recipe
 from tests.conftest import prefect_api
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]
@@ -35,7 +36,9 @@ ARGS = [
     "--no-first-run",
 ]
 RUN = "ui-form"
-BUDGETS = [("literary", "24576"), ("stories", "8192")]
+# literary long enough (96 steps) that the cancel, clicked once its first checkpoint exists, lands mid-stage on a
+# quiet machine too (at 24 steps the stage had ended before the click, and the rerun had nothing to resume)
+BUDGETS = [("literary", "98304"), ("stories", "8192")]
 
 
 def field(page, label: str, tag: str = "input"):
@@ -72,9 +75,17 @@ class Person:
         field(self.page, "Recipe", "textarea").first.wait_for(timeout=60_000)
         field(self.page, "Recipe", "textarea").first.fill(str(self.stack.recipe))
         field(self.page, "Run name", "textarea").first.fill(RUN)
+        stages = [s.name for s in load_recipe(str(self.stack.recipe)).train.stages]
         for i, (stage, tokens) in enumerate(budgets or []):
             self.page.get_by_role("button", name="Add item").click()
-            field(self.page, "Stage", "textarea").nth(i).fill(stage)
+            # *Stage* is a choice of the served recipe's stages (flows/deploy.recipe_schema), picked as a person
+            # does with the keyboard: the first arrow opens the list on its first stage
+            choice = self.page.locator(".p-select-button__control").nth(i)
+            choice.focus()
+            for _ in range(stages.index(stage) + 1):
+                self.page.keyboard.press("ArrowDown")
+            self.page.keyboard.press("Enter")
+            assert choice.inner_text().strip() == stage
             field(self.page, "Tokens").nth(i).fill(tokens)
         if every:
             field(self.page, "Checkpoint every").first.fill(every)
@@ -128,7 +139,7 @@ def first_hour(person):
     seen["first"] = first
     person.see(RUN)  # the flow run takes the run's name, not Prefect's random one
     person.see("stage literary: starting run ui-form fresh")
-    person.see(re.compile(r"stage literary: step \d+, [\d,]+/24,576 tokens"))
+    person.see(re.compile(r"stage literary: step \d+, [\d,]+/98,304 tokens"))
     seen["running"] = person.state(first)
     person.shot("prefect-running", showing=re.compile(r"stage literary: step \d+"))
 
