@@ -81,11 +81,19 @@ class Person:
             # *Stage* is a choice of the served recipe's stages (flows/deploy.recipe_schema), picked as a person
             # does with the keyboard: the first arrow opens the list on its first stage
             choice = self.page.locator(".p-select-button__control").nth(i)
+            choice.wait_for()
+            self.page.wait_for_timeout(500)  # the new row renders twice as it is added
             choice.focus()
             for _ in range(stages.index(stage) + 1):
                 self.page.keyboard.press("ArrowDown")
+                self.page.wait_for_timeout(300)  # the list opens (and moves) with an animation
             self.page.keyboard.press("Enter")
-            assert choice.inner_text().strip() == stage
+            deadline = time.monotonic() + 10
+            while choice.inner_text().strip() != stage:
+                if time.monotonic() > deadline:
+                    self.shot("stage-not-chosen")
+                    pytest.fail(f"stage {stage!r} was not chosen: {choice.inner_text()!r}")
+                self.page.wait_for_timeout(200)
             field(self.page, "Tokens").nth(i).fill(tokens)
         if every:
             field(self.page, "Checkpoint every").first.fill(every)
