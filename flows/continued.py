@@ -23,9 +23,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.outcome import form_values, run_or_end
-from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline
+from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline, stays_of
 from flows.prepare import prepare_sources
-from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe, run_folder
+from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from flows.runtime import prepare_process
 from tasks import consumed_files, continuation
 from tasks.aliases import reconcile_registry
@@ -33,7 +33,6 @@ from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for, retrying
 from tasks.promote import Decision, champion_version, promote_challenger
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
-from tasks.train import what_stays
 
 
 class ContinueParams(RecipeTarget):
@@ -274,7 +273,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
             },
             version_tags={"continued_from": f"v{version}"},
         ),
-        stays=lambda: what_stays(run_folder(continued.work_dir, run_name) / "job.json", continued.compute),
+        stays=lambda: stays_of(continued, run_name),
     )
     from tasks.register import best_of_run
 

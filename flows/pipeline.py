@@ -398,11 +398,16 @@ def pretrain_pipeline(params: PipelineParams) -> PipelineResult:
             _bootstrap_champion(recipe, run_name, result)
         return result
 
-    return run_or_end(run_name, body, stays=lambda: what_stays(_job_path(recipe, run_name), recipe.compute))
+    return run_or_end(run_name, body, stays=lambda: stays_of(recipe, run_name))
 
 
 def _job_path(recipe: Recipe, run_name: str) -> Path:
     return run_folder(recipe.work_dir, run_name) / "job.json"
+
+
+def stays_of(recipe: Recipe, run_name: str) -> str:
+    """What a stopped run of `recipe` keeps, for the line that ends it (every training flow's run_or_end)."""
+    return what_stays(_job_path(recipe, run_name), recipe.compute)
 
 
 def _bootstrap_champion(recipe: Recipe, run_name: str, result: PipelineResult) -> None:
