@@ -472,3 +472,60 @@ def pytest_collection_modifyitems(config, items):
             return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
 
         items.sort(key=rank)  # stable: each module keeps its own order
+
+
+# --- no process of the suite outlives it ------------------------------------------------------------------
+
+# Every process a test starts inherits this mark (servers, trainers, flow runs, their own children), also those
+# that start sessions of their own and are reparented to init when their parent dies: the session's end finds
+# them by it, whatever their ancestry.
+SUITE_MARK = "TESSERA_TEST_SUITE"
+os.environ.setdefault(SUITE_MARK, f"{os.getpid()}-{time.time_ns()}")
+
+
+def _marked_leftovers() -> list:
+    """Live processes carrying this suite's mark, other than this one, its ancestors and xdist's workers
+    (which exit as the controller finishes)."""
+    import psutil
+
+    mine = os.environ[SUITE_MARK]
+    skip = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid in skip:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(SUITE_MARK) != mine:
+                continue
+            cmdline = proc.info["cmdline"] or []
+            if any("sys.stdin.readline" in part for part in cmdline[:3]):  # an execnet gateway: an xdist worker
+                continue
+            found.append(proc)
+    return found
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has shut its workers down
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole suite (the controller, or a run without -n): a process a test started and did not stop
+    fails the run, named with its command line, and is stopped so it cannot hold a port or a lock into the next."""
+    if hasattr(session.config, "workerinput") or os.environ.get("TESSERA_ALLOW_LEFTOVERS") == "1":
+        return
+    deadline = time.monotonic() + 20  # teardown of a worker's last fixtures may still be stopping a server
+    left = _marked_leftovers()
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
+        left = _marked_leftovers()
+    if not left:
+        return
+    lines = []
+    for proc in left:
+        with contextlib.suppress(Exception):
+            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+    stop_tree(left, grace=5)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write("\n")
+        reporter.write_line(f"{len(left)} process(es) of the suite were still alive after it, now stopped:", red=True)
+        for line in lines:
+            reporter.write_line(line, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -73,3 +73,58 @@ def test_nothing_is_touched_without_an_explanation_or_once_the_run_moved_on(flow
     _force(flow_run, Cancelled(message=OURS))
     _force(flow_run, Scheduled())  # a retry of the run
     assert keep(flow_run, watch_s=5) is False and _last(flow_run).type.value == "SCHEDULED"
+
+
+def test_the_explanation_is_set_through_a_server_whose_database_is_locked_for_seconds(flow_run):
+    """The cancel's explanation survives what the issue met under load: Prefect's SQLite "database is locked".
+    The API's database is held in an exclusive transaction for 15 s; the forced state goes through after it. (Here,
+    in Prefect's test mode, the server waits up to 30 s on a lock; `prefect server` waits 10 s and then answers
+    an error, which set_state retries: the next test.)"""
+    import sqlite3
+    import threading
+
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+    from prefect.states import Cancelled
+
+    from tasks.last_word import set_state
+
+    db = PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1]
+    locked, held_s = threading.Event(), 15.0
+
+    def hold() -> None:
+        conn = sqlite3.connect(db, timeout=60, isolation_level=None)
+        conn.execute("BEGIN EXCLUSIVE")
+        locked.set()
+        time.sleep(held_s)
+        conn.execute("COMMIT")
+        conn.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert locked.wait(60)
+    started = time.monotonic()
+    try:
+        set_state(flow_run, Cancelled(message=OURS), within_s=60)
+    finally:
+        holder.join()
+    assert time.monotonic() - started >= held_s - 1  # it did meet the lock, not slip past it
+    last = _last(flow_run)
+    assert (last.type.value, last.message) == ("CANCELLED", OURS)
+
+
+def test_an_api_that_refuses_is_tried_again_until_the_deadline(flow_run, monkeypatch):
+    """A refused call is tried again with backoff until `within_s`, then raises: the state is never dropped
+    silently, and a refusal does not end the attempt."""
+    import prefect.client.orchestration as orchestration
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelled
+
+    from tasks.last_word import set_state
+    from tests.conftest import free_port
+
+    tries, real = [], orchestration.get_client
+    monkeypatch.setattr(orchestration, "get_client", lambda **kw: (tries.append(time.monotonic()), real(**kw))[1])
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}), pytest.raises(Exception):
+        set_state(flow_run, Cancelled(message=OURS), within_s=4)
+    assert len(tries) >= 2 and tries[-1] - tries[0] < 8, tries
+    assert _last(flow_run).message != OURS  # that API never had it
