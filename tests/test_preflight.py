@@ -95,3 +95,24 @@ def test_a_failed_probe_is_an_infrastructure_retry_and_a_slow_rank_is_named():
     )
     even = summarize(ranks[:3], 1.5)
     assert even["slow"] == [] and not describe_preflight("s", even)[1]
+
+
+def test_composers_environment_probe_starts_no_second_python(monkeypatch):
+    """Every Trainer logs Composer's environment, and its CPU name came from py-cpuinfo, which runs a second
+    Python interpreter (a second of CPU per rank per launch); the build reads the name without one."""
+    import subprocess
+
+    from composer.utils import collect_env
+
+    from trainers.build import _cpu_model_without_a_child_python
+
+    monkeypatch.setattr(collect_env, "get_cpu_model", collect_env.get_cpu_model)  # undone after the test
+    _cpu_model_without_a_child_python()
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child process was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    env = collect_env.get_composer_env_dict()
+    name = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1].strip()
+    assert env["cpu_model"] == name and env["composer_version"]

@@ -318,6 +318,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
     heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
+    _cpu_model_without_a_child_python()
     with _refused_as_fatal(plan), shard_initialised(job.model.init_std, job.train.seed, init_source):
         trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
     if is_sharded(job.train.parallelism, world()[1], plan.checkpoint):
@@ -341,6 +342,25 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         metrics.start_tags["tessera.optimizer_state"] = outcome
     trainer.tessera_metrics = metrics  # type: ignore[attr-defined]  # benches read the in-memory history
     return trainer
+
+
+def _cpu_model_without_a_child_python() -> None:
+    """Composer's Trainer logs its version through `collect_env.get_composer_env_dict()`, which also asks
+    py-cpuinfo for the CPU's name, and py-cpuinfo answers by running a second Python interpreter: a second of CPU
+    in every rank at every launch, for a field the Trainer never logs. The name comes from /proc/cpuinfo (or
+    platform) instead; everything else Composer collects is unchanged."""
+    import platform
+
+    from composer.utils import collect_env
+
+    def cpu_model() -> str:
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        return platform.processor() or "CPU"
+
+    collect_env.get_cpu_model = cpu_model
 
 
 def _probe_device() -> torch.device:
