@@ -61,7 +61,9 @@ def prefect_harness(tmp_path_factory):
 @pytest.fixture()
 def mlflow_uri(tmp_path) -> str:
     """A fresh sqlite-backed MLflow tracking store and registry."""
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from tests.support.mlflow_store import sqlite_store
+
+    return sqlite_store(tmp_path / "mlflow.db")
 
 
 @pytest.fixture()
@@ -116,10 +118,12 @@ def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
     under `base`."""
     import yaml
 
+    from tests.support.mlflow_store import sqlite_store
+
     raw = tiny_raw()
     raw["work_dir"] = str(base / "work")
     raw["data"]["root"] = str(data_root or base / "work" / "data")
-    raw["tracking"]["tracking_uri"] = f"sqlite:///{base / 'mlflow.db'}"
+    raw["tracking"]["tracking_uri"] = sqlite_store(base / "mlflow.db")
     raw["tracking"]["artifact_location"] = str(base / "mlartifacts")
     path = base / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

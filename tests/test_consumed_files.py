@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from tests.support.mlflow_store import sqlite_store
+
 
 @pytest.fixture()
 def tracking(tmp_path):
@@ -14,7 +16,7 @@ def tracking(tmp_path):
     from tasks.tracking_config import TrackingConfig
 
     cfg = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
         artifact_location=(tmp_path / "art").as_uri(),
         experiment="e",
         registered_model="m",

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, tiny_raw
+from tests.support.mlflow_store import sqlite_store
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def _recipe(tmp: Path) -> Path:
     raw["work_dir"] = str(tmp / "work")
     raw["data"]["root"] = str(tmp / "work" / "data")
     raw["tracking"] |= {
-        "tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "tracking_uri": sqlite_store(tmp / "mlflow.db"),
         "artifact_location": str(tmp / "art"),
         "registered_model": "cpt-tiny",
     }

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.support.mlflow_store import sqlite_store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -18,7 +19,7 @@ def _setup(tmp_path, run_name: str | None):
     from tasks.mlflow_run import open_run
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
-    raw["tracking"] |= {"tracking_uri": f"sqlite:///{tmp_path / 'm.db'}", "artifact_location": str(tmp_path / "a")}
+    raw["tracking"] |= {"tracking_uri": sqlite_store(tmp_path / "m.db"), "artifact_location": str(tmp_path / "a")}
     tmp_path.mkdir(parents=True, exist_ok=True)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(raw))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.data.config import DataConfig
+from tests.support.mlflow_store import sqlite_store
 
 ROOT = Path(__file__).resolve().parents[1]
 NEOX = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
@@ -100,7 +101,7 @@ def write_recipe(
     recipe["eval"]["every"] = 8 * seq_len * 4
     for key in ("tasks", "gauntlet", "data_root"):
         recipe["eval"][key] = str(ROOT / recipe["eval"][key])
-    recipe["tracking"]["tracking_uri"] = f"sqlite:///{Path(work_dir) / 'mlflow.db'}"
+    recipe["tracking"]["tracking_uri"] = sqlite_store(Path(work_dir) / "mlflow.db")
     recipe["tracking"].pop("artifact_location", None)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path

@@ -23,6 +23,7 @@ import yaml
 
 from evaluation.errors import GauntletError
 from tests.support.gauntlet import tiny_llama
+from tests.support.mlflow_store import sqlite_store
 from trainers.exit_codes import FatalError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +166,7 @@ def test_an_mlflow_model_that_names_code_is_refused_by_every_loader_and_runs_not
 
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    uri = sqlite_store(tmp_path / "registry.db")
     client = MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("m")
     client.create_model_version("m", str(evil))
@@ -266,7 +267,7 @@ def test_a_registered_version_in_s3_that_names_code_is_refused(models, gauntlet_
     for file in evil.rglob("*"):
         if file.is_file():
             moto_s3.upload_file(str(file), "models", f"evil/{file.relative_to(evil)}")
-    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    uri = sqlite_store(tmp_path / "registry.db")
     client = MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("m")
     client.create_model_version("m", "s3://models/evil")

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, tiny_raw
+from tests.support.mlflow_store import sqlite_store
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def tiny_recipe_in(tmp_path) -> str:
     raw = tiny_raw()
     raw["work_dir"] = str(tmp_path / "work")
     raw["data"]["root"] = str(tmp_path / "work" / "data")
-    raw["tracking"]["tracking_uri"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["tracking"]["tracking_uri"] = sqlite_store(tmp_path / "mlflow.db")
     raw["tracking"]["artifact_location"] = str(tmp_path / "mlartifacts")
     raw["train"]["stages"][1]["seq_len"] = 256  # a longer-context final stage: 8 steps of 8 x 256 tokens
     # The tests' tokenizer has 4,096 ids, already a multiple of 128: 100 pads it to 4,100 rows, so the padded

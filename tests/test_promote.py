@@ -12,6 +12,7 @@ from tasks.promote_rule import decide
 from tasks.register import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS
 from tasks.version_record import decision_history, write_version_record
 from tests.conftest import ROOT
+from tests.support.mlflow_store import sqlite_store
 
 # every move of `champion` takes the promotion lock, a Prefect global concurrency limit
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -148,7 +149,7 @@ def registry(tmp_path):
     """Three versions of model `m` as tessera registers them: each from a run, with its tags and record."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = sqlite_store(tmp_path / "m.db")
     client = MlflowClient(uri, uri)
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
     client.create_registered_model("m", tags=record_started())

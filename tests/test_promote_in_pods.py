@@ -29,6 +29,7 @@ from tests.conftest import ROOT
 from tests.k8s.fake_apiserver import FakeApiServer
 from tests.k8s.variants import CPU_ONE_NODE, compute
 from tests.support.gauntlet import tiny_llama
+from tests.support.mlflow_store import sqlite_store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -145,7 +146,7 @@ def registry(tmp_path):
     from tasks.version_record import write_version_record
 
     tracking = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", artifact_location=str(tmp_path / "art"), registered_model="m"
+        tracking_uri=sqlite_store(tmp_path / "m.db"), artifact_location=str(tmp_path / "art"), registered_model="m"
     )
     client = MlflowClient(tracking.tracking_uri, tracking.tracking_uri)
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())

@@ -17,6 +17,7 @@ from tasks.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_che
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import version_record
 from tests.conftest import ROOT
+from tests.support.mlflow_store import sqlite_store
 from trainers.format.checkpoints import CheckpointInfo
 
 
@@ -82,7 +83,7 @@ def summary(tokens: int, average: float, gauntlet: str = "g1") -> EvalSummary:
 
 def test_register_is_idempotent_and_moves_aliases(tmp_path, composer_checkpoint):
     tracking = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
         artifact_location=str(tmp_path / "art"),
         experiment="e",
         registered_model="tiny",
@@ -204,7 +205,7 @@ def test_a_large_model_is_registered_by_reference_and_loads_from_s3(
     monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", moto_s3.meta.endpoint_url)
     moto_s3.create_bucket(Bucket="ckpts")
     tracking = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
         artifact_location=str(tmp_path / "art"),
         experiment="e",
         registered_model="big",
@@ -243,7 +244,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(
     moto_s3.create_bucket(Bucket="ckpts")
     moto_s3.upload_file(composer_checkpoint, "ckpts", "runs/run-c/run-c-s0-tok64-rank0.pt")
     tracking = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
         artifact_location=str(tmp_path / "art"),
         experiment="e",
         registered_model="pod",
@@ -317,7 +318,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(
 def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_last_end(tmp_path, monkeypatch):
     monkeypatch.delenv("TESSERA_MLFLOW_UI_URL", raising=False)
     tracking = TrackingConfig(
-        tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
         artifact_location=str(tmp_path / "art"),
         experiment="e",
         registered_model="x",
@@ -381,7 +382,7 @@ def test_a_version_registered_before_the_record_still_resolves_and_describes(tmp
     from tasks.aliases import refresh_descriptions
     from tasks.version_record import decision_history
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = sqlite_store(tmp_path / "m.db")
     client = client_for(TrackingConfig(tracking_uri=uri, registered_model="old"))
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
     run_id = client.create_run(experiment).info.run_id

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.mlflow_store import sqlite_store
 from trainers.config import MlflowTarget, StageConfig
 from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode
 
@@ -66,7 +67,7 @@ def test_a_dead_tracking_server_never_reaches_a_step_and_the_next_launch_deliver
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = sqlite_store(tmp_path / "mlflow.db")
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("t")).info.run_id
     folder = tmp_path / "ckpt"

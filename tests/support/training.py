@@ -196,13 +196,15 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 300) -> None:  # MLflow 3's first start migrates its store: minutes at load 10
+    def start(self, timeout: float = 300) -> None:  # a start at load 10 can take minutes
+        from tests.support.mlflow_store import sqlite_store
+
         mlflow = Path(sys.executable).with_name("mlflow")
         cmd = [
             str(mlflow),
             "server",
             "--backend-store-uri",
-            f"sqlite:///{self.root / 'mlflow.db'}",
+            sqlite_store(self.root / "mlflow.db"),
             "--default-artifact-root",
             str(self.root / "artifacts"),
             "--host",
