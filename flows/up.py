@@ -365,6 +365,13 @@ MLFLOW_VIEW_NOTE = (
     "(MLflow's bare address opens its GenAI view and no server setting changes that; this link opens model "
     "training, and its 'Model training' switch keeps it for your browser)"
 )
+# MLflow 3's registry page greets each new browser with a one-time "new Model Registry UI" modal, a choice kept in
+# the browser's storage that no server option sets. Its "Try it now" is the view of aliases and tags, which is
+# where tessera's champion alias and version tags show.
+MLFLOW_REGISTRY_NOTE = (
+    "(MLflow's registry asks each new browser once about its 'new Model Registry UI': 'Try it now' shows the "
+    "aliases, such as the champion, that tessera sets)"
+)
 
 
 def mlflow_ui(base: str) -> str:
@@ -381,6 +388,7 @@ def _print_ready(seconds: float, plan: _Plan, deployed: list[Deployed], stack: _
         f"  MLflow UI    {mlflow_ui(plan.mlflow_url)}"
         + (f"   (store {plan.store})" if plan.store else "   (the recipe's own server: not started here)"),
         f"  {'':<12} {MLFLOW_VIEW_NOTE}",
+        f"  {'':<12} {MLFLOW_REGISTRY_NOTE}",
         f"  worker       {plan.worker_name} on work pool {LOCAL_POOL}",
         "  errors       what these services log as an error is printed here as it happens",
     ]

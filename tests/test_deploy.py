@@ -194,6 +194,7 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     assert f"every form's recipe defaults to {served}" in printed
     # the MLflow link that lands on training, and the one line on why the bare address does not
     assert f"MLflow UI    {live_stack.mlflow_url}/#/experiments?workflowType=machine_learning" in printed
+    assert "'new Model Registry UI': 'Try it now' shows the aliases" in printed
     assert "MLflow's bare address opens its GenAI view and no server setting changes that" in printed
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in weekly["schedules"]] == [
         ("0 3 * * 1", "UTC", True)
