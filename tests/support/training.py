@@ -216,7 +216,15 @@ class MlflowServer:
         ]
         with open(self.root / "server.log", "ab") as log:
             # Its own process group: stopping it must take its uvicorn workers along.
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # as `tessera up` runs it: MLflow's job runner (huey consumers, each a Python importing MLflow,
+                # polling while idle) serves GenAI jobs no test submits
+                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            )
         deadline = time.monotonic() + timeout
         while True:
             try:
