@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # One intra-op thread per process (inherited by every trainer, flow and server a test starts): the
-# suite runs two xdist workers on two cores, so more threads only oversubscribe the cores, and
+# suite runs three xdist workers on two cores, so more threads only oversubscribe the cores, and
 # OpenMP threads spin while they wait. The tiny test models gain nothing from a second thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Importing torch._inductor.async_compile (something in an in-process Composer fit does) starts a pool
@@ -410,7 +410,7 @@ def isolated_mlflow_globals(request):
     assert not stray, f"{request.node.nodeid} fell back to MLflow's default ./mlflow.db"
 
 
-# --- two workers (`make test` runs pytest -n 2) ------------------------------------------------------------
+# --- xdist workers (`make test` runs pytest -n 3) ---------------------------------------------------------
 
 # The modules that use the live stack (`tessera up`, a session fixture): they run on one worker, which
 # starts it once. A module that uses it without being listed here fails at collection (below).
