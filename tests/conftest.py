@@ -48,6 +48,14 @@ from prefect.logging.configuration import ensure_logging_setup  # noqa: E402
 
 ensure_logging_setup()
 
+# A StreamingDataset a test makes in its own process registers a shared-memory prefix on the host, as the trainers
+# the other workers run do at the same moment; Streaming's scan-then-create races (FileExistsError on
+# "/<prefix>_locals", met with three workers). The tests' datasets take their prefixes as the trainers do: under
+# the host-wide lock, retried when a Streaming user outside it took the one found (trainers/shm.py).
+from trainers.shm import leader_decides_prefixes  # noqa: E402
+
+leader_decides_prefixes()
+
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
@@ -504,6 +512,8 @@ def _marked_leftovers() -> list:
             cmdline = proc.info["cmdline"] or []
             if any("sys.stdin.readline" in part for part in cmdline[:3]):  # an execnet gateway: an xdist worker
                 continue
+            if proc.ppid() == os.getpid() and any("from multiprocessing." in part for part in cmdline[:4]):
+                continue  # this process's own resource tracker: it ends when this process does
             found.append(proc)
     return found
 

@@ -516,9 +516,8 @@ def test_stage_saves_publishes_autoresumes_and_exports(tmp_path, sources, mlflow
     import numpy as np
     from streaming import StreamingDataset
 
-    ids = torch.tensor(
-        np.stack([StreamingDataset(local=str(val), shuffle=False)[i]["tokens"] for i in range(24)]).astype(np.int64)
-    )
+    held_out = StreamingDataset(local=str(val), shuffle=False)
+    ids = torch.tensor(np.stack([held_out[i]["tokens"] for i in range(24)]).astype(np.int64))
     first = AutoModelForCausalLM.from_pretrained(export_hf(done[0].path, tmp_path / "hf1024"))
     with torch.no_grad():  # mean CE over all 24 x 31 predicted tokens
         expected = {2560: hf(input_ids=ids, labels=ids).loss.item(), 1024: first(input_ids=ids, labels=ids).loss.item()}
