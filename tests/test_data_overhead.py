@@ -58,6 +58,8 @@ res = pipeline.prepare_source(data.sources[0], data, tok)
 print("transformers.models.auto.tokenization_auto" in sys.modules, "sklearn" in sys.modules)
 import streaming.text  # still importable for real afterwards
 from streaming import StreamingDataset
+from trainers.shm import leader_decides_prefixes
+leader_decides_prefixes()  # its prefix as the trainers take theirs: another worker's trainer may be registering one
 print(len(StreamingDataset(local=res.path, batch_size=1)) == res.samples, streaming.text.__name__)
 """
 
