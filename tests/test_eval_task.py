@@ -243,7 +243,12 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(
     mv = client.create_model_version("tiny", f"{client.get_run(run_id).info.artifact_uri}/checkpoints/tok-1", run_id)
     client.set_registered_model_alias("tiny", "best", mv.version)
 
-    downloads = lambda: set(Path(tempfile.gettempdir()).glob("tessera-eval-model-*"))  # noqa: E731
+    # This process's own temp dir: another xdist worker's eval downloads into the shared /tmp at the same time
+    # (CI, stop 37, saw one of theirs here).
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    downloads = lambda: set(scratch.glob("tessera-eval-model-*"))  # noqa: E731
     before = downloads()
     out = eval_command(
         "models:/tiny@best",
@@ -268,7 +273,7 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(
     ]
     assert "data:image/png;base64," in (tmp_path / "report" / "comparison.html").read_text()  # the plot travels inline
     assert list(cwd.iterdir()) == []
-    assert downloads() == before  # the model's download is gone once it is loaded
+    assert before == set() and downloads() == set()  # the model's download is gone once it is loaded
 
 
 def test_eval_command_raises_one_line_gauntlet_errors(prefect_harness, tmp_path):
