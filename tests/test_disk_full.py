@@ -121,7 +121,10 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
     assert "Retry" not in first and first.count("launched 1 rank(s)") == 1  # fatal at once: no retry filled it again
     # the cut-short save is unpublished
     assert (out / "manifests1.ls").read_text().split() == ["tok-000000002048.json", "tok-000000004096.json"]
-    # the trainer said it too, on the full disk, when the log could still take the line
+    # and the cut-short file itself is gone: the trainer removed it, which gave its log on that disk room for the
+    # fatal line (before, the line was lost whenever the save had taken the last free page)
+    assert "tiny-s0-tok6144-rank0.pt" not in (out / "after1.ls").read_text().split()
+    assert "tiny-s0-tok4096-rank0.pt" in (out / "after1.ls").read_text().split()
     log = (out / "rank0.log").read_text()
     assert f"tessera.train: fatal: no space left on the disk holding {checkpoints} (" in log
 

@@ -20,6 +20,7 @@ from composer.utils import dist
 
 from trainers import heartbeat, time_ledger
 from trainers.config import Stage, TrainJob
+from trainers.disk import no_space
 from trainers.faults import maybe_fault, maybe_freeze, maybe_stall, maybe_write_slowly
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
@@ -154,6 +155,10 @@ class PublishingCheckpointSaver(CheckpointSaver):
                 maybe_stall("save", self.run_stage.index)  # test hooks: a save that hangs, a rank frozen in it
                 maybe_freeze(int(state.timestamp.token), "save")
                 super()._save_checkpoint(state, logger)
+            except Exception as exc:
+                if no_space(exc) is not None:
+                    self._drop_cut_short(state)
+                raise
             finally:
                 self.latest_filename = latest
             self._publish(state)
@@ -163,6 +168,25 @@ class PublishingCheckpointSaver(CheckpointSaver):
         if beat is not None and growth.grown > 0 and took > 0:
             beat.set(write_bytes_per_s=round(growth.grown / took))  # the next save's budget is sized by it
         heartbeat.phase("step")
+
+    def _drop_cut_short(self, state: State) -> None:
+        """Remove what this rank wrote of a save the disk could not hold. It has no manifest, so nothing reads it
+        and the next launch's plan_start would remove it anyway; removed now, it gives the full disk back the room
+        for this rank's one fatal line (its log is often on the same disk) and for whatever else shares it."""
+        from composer.utils.checkpoint import get_save_filename
+
+        written = Path(get_save_filename(state, self.filename.format(state, keep_placeholders=True)))
+        if state.fsdp_sharded_state_dict_enabled:  # this rank's shards of the step's folder (rank 0: the metadata)
+            mine = list(written.parent.glob(f"__{dist.get_global_rank()}_*.distcp"))
+            if dist.get_global_rank() == 0:
+                mine.append(written.parent / checkpoints.SHARD_METADATA)
+        else:
+            mine = [written]
+        for path in mine:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # the fatal line still goes out; the relaunch's repair removes it
+                pass
 
     def _publish(self, state: State) -> None:
         tokens = int(state.timestamp.token.value)
