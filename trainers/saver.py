@@ -24,7 +24,7 @@ from trainers.disk import no_space
 from trainers.faults import maybe_fault, maybe_freeze, maybe_stall, maybe_write_slowly
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
-from trainers.layout import RunFolder
+from trainers.layout import RunFolder, discard
 from trainers.remote import RemoteFolder
 
 
@@ -184,7 +184,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
             mine = [written]
         for path in mine:
             try:
-                path.unlink(missing_ok=True)
+                discard(path)
             except OSError:  # the fatal line still goes out; the relaunch's repair removes it
                 pass
 
