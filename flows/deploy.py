@@ -251,21 +251,69 @@ def recipe_schema(schema: dict[str, Any], recipe) -> dict[str, Any]:
     return patched
 
 
-def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: str) -> None:
-    """Each published form that takes a recipe, bounded by `recipe` (recipe_schema)."""
+# What Prefect's UI (3.8, the default UI) sends its server to check a form: each property of the parameter schema
+# mapped to a shape of its own that has no minimum, maximum, multipleOf, length or pattern, while `items` and `allOf`
+# go as they are. A field's bounds written beside its type never reach the check that marks the form in place: lr 5
+# passed it, and only the run's creation, refused by the enforced schema, said so in a toast. Under `allOf` they
+# are the same JSON-schema constraints and reach both checks.
+UI_DROPPED_BOUNDS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+)
+
+
+def bounds_the_ui_checks(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with every property's bounds moved under its `allOf` (UI_DROPPED_BOUNDS): the same constraints,
+    which Prefect's UI now checks as the person types instead of leaving them to a toast after Submit."""
+    import copy
+
+    moved = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        props = node.get("properties")
+        if isinstance(props, dict):
+            for prop in props.values():
+                if isinstance(prop, dict):
+                    bounds = {k: prop.pop(k) for k in UI_DROPPED_BOUNDS if k in prop}
+                    if bounds:
+                        prop["allOf"] = [*prop.get("allOf", []), bounds]
+        for value in node.values():
+            walk(value)
+
+    walk(moved)
+    return moved
+
+
+def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: str | None) -> None:
+    """Each published form's schema as the UI checks it (bounds_the_ui_checks), and, where the form takes a
+    recipe, bounded by `recipe` (recipe_schema)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
 
     from flows.recipe import load_recipe
 
-    loaded = load_recipe(recipe)
+    loaded = load_recipe(recipe) if recipe is not None else None
     with get_client(sync_client=True) as client:
         for spec, published in zip(specs, deployed, strict=True):
-            if with_recipe(spec.raw, recipe) is spec.raw:  # its form names no recipe (eval)
-                continue
             found = client.read_deployment(published.id)
-            schema = recipe_schema(found.parameter_openapi_schema or {}, loaded)
-            client.update_deployment(found.id, DeploymentUpdate(parameter_openapi_schema=schema))
+            schema = found.parameter_openapi_schema or {}
+            if loaded is not None and with_recipe(spec.raw, recipe) is not spec.raw:  # its form names a recipe
+                schema = recipe_schema(schema, loaded)
+            schema = bounds_the_ui_checks(schema)
+            if schema != found.parameter_openapi_schema:
+                client.update_deployment(found.id, DeploymentUpdate(parameter_openapi_schema=schema))
 
 
 def _run_prefect_deploy(
@@ -359,6 +407,5 @@ def deploy(
     ensure_names_lock()  # run names' slots are created through it (tasks/run_slot.py)
     _run_prefect_deploy(project, specs, pool, url, log, recipe)
     deployed = _published(specs)
-    if recipe is not None:
-        _constrain(specs, deployed, recipe)
+    _constrain(specs, deployed, recipe)
     return deployed

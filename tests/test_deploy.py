@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from flows.continued import ContinueParams
-from flows.deploy import DeployError, load_project
+from flows.deploy import UI_DROPPED_BOUNDS, DeployError, load_project
 from flows.evaluate import EvalParams
 from flows.pipeline import PipelineParams
 from flows.prepare import PrepareParams
@@ -182,14 +182,21 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     recipe = load_recipe(served)
     form = deployment(api, "pretrain_pipeline/pretrain")["parameter_openapi_schema"]["definitions"]["PipelineParams"]
     step = recipe.train.global_batch_size * recipe.data.seq_len
-    assert form["properties"]["eval_every"]["multipleOf"] == step
+    # (every bound under allOf, where Prefect's UI passes it to its in-place check: flows/deploy.bounds_the_ui_checks)
+    assert form["properties"]["eval_every"]["allOf"] == [{"minimum": 1, "multipleOf": step}]
+    assert form["properties"]["lr"]["allOf"] == [{"exclusiveMinimum": 0, "maximum": 1}]
+    assert not set(UI_DROPPED_BOUNDS) & (set(form["properties"]["lr"]) | set(form["properties"]["eval_every"]))
     row = form["properties"]["stage_tokens"]["items"]["properties"]
     steps = [
         (s.global_batch_size or recipe.train.global_batch_size) * (s.seq_len or recipe.data.seq_len)
         for s in recipe.train.stages
     ]
     assert row["stage"]["enum"] == [s.name for s in recipe.train.stages]
-    assert row["tokens"]["multipleOf"] == math.gcd(*steps)
+    assert row["tokens"]["allOf"] == [{"exclusiveMinimum": 0, "multipleOf": math.gcd(*steps)}]
+    # a form without a recipe is moved too
+    eval_form = deployment(api, "tessera-eval/eval")["parameter_openapi_schema"]["definitions"]["EvalParams"]
+    assert eval_form["properties"]["batch_size"]["allOf"] == [{"exclusiveMinimum": 0}]
+    assert not [k for k, v in eval_form["properties"].items() if set(UI_DROPPED_BOUNDS) & set(v)]
     printed = live_stack.output.read_text()
     assert f"every form's recipe defaults to {served}" in printed
     # the MLflow link that lands on training, and the one line on why the bare address does not

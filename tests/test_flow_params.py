@@ -275,3 +275,92 @@ def test_a_task_given_a_kubernetes_compute_with_secret_keys_receives_it_whole():
         "AWS_ACCESS_KEY_ID": "access-key",
         "AWS_SECRET_ACCESS_KEY": "secret-key",
     }
+
+
+def _ui_property_keys() -> set[str]:
+    """The keys Prefect's UI keeps of each schema property when it asks its server to check a form: read from the
+    UI bundle that this Prefect serves (its SchemaPropertyResponse mapper), so a Prefect upgrade that changes
+    them fails here rather than in a person's form."""
+    import re
+    from pathlib import Path
+
+    import prefect
+
+    assets = Path(prefect.__file__).parent / "server" / "ui" / "assets"
+    for bundle in sorted(assets.glob("index-*.js")):
+        found = re.search(r"SchemaPropertyResponse:function\(e\)\{return\{(.*?)\}\}", bundle.read_text())
+        if found:
+            return {part.split(":", 1)[0] for part in found[1].split(",")}
+    raise AssertionError(f"no SchemaPropertyResponse mapper in {assets}: Prefect's UI changed how it checks forms")
+
+
+def _as_the_ui_sends_it(schema):
+    """`schema` as Prefect's UI posts it to /ui/schemas/validate: each property cut to the keys the UI keeps,
+    `items` and `allOf` passed as they are."""
+    keys = _ui_property_keys()
+
+    def prop(node: dict) -> dict:
+        cut = {k: v for k, v in node.items() if k in keys}
+        if isinstance(cut.get("properties"), dict):
+            cut["properties"] = {k: prop(v) for k, v in cut["properties"].items()}
+        return cut
+
+    return {
+        **schema,
+        "properties": {k: prop(v) for k, v in schema["properties"].items()},
+        "definitions": {
+            name: {**d, "properties": {k: prop(v) for k, v in d.get("properties", {}).items()}}
+            for name, d in schema.get("definitions", {}).items()
+        },
+    }
+
+
+def test_the_forms_bounds_reach_the_check_prefects_ui_makes_in_place():
+    """A form's bounds beside its field's type are cut by the UI before its in-place check (lr 5 passed it, and
+    only the run's creation said no, in a toast); under allOf they reach it, and they refuse what they refused."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import build_error_obj, preprocess_schema, validate
+
+    from flows.deploy import UI_DROPPED_BOUNDS, bounds_the_ui_checks, recipe_schema
+    from flows.pipeline import pretrain_pipeline
+
+    assert not set(UI_DROPPED_BOUNDS) & _ui_property_keys() and {"allOf", "items"} <= _ui_property_keys()
+    published = parameter_schema(pretrain_pipeline.fn).model_dump_for_openapi()
+    recipe = load_recipe(TINY)
+    bad = {
+        "params": {
+            "recipe": str(TINY),
+            "run_name": "a b",
+            "lr": 5,
+            "eval_every": 1000,
+            "procs_per_node": 0,
+            "stage_tokens": [{"stage": "poems", "tokens": 1000}],
+        }
+    }
+    good = {
+        "params": {
+            "recipe": str(TINY),
+            "lr": 0.5,
+            "eval_every": 8192,
+            "stage_tokens": [{"stage": "stories", "tokens": 8192}],
+        }
+    }
+
+    def errors(schema, values):
+        found = build_error_obj(validate(values, preprocess_schema(schema), preprocess=False))
+        return (
+            {e["property"]: sorted(str(x) for x in e["errors"]) for e in found["errors"][0]["errors"]}
+            if found["errors"]
+            else {}
+        )
+
+    before = recipe_schema(published, recipe)
+    after = bounds_the_ui_checks(before)
+    assert errors(after, bad) == errors(before, bad) and errors(after, good) == errors(before, good) == {}
+    refused = errors(after, bad)
+    assert set(refused) == {"run_name", "lr", "eval_every", "procs_per_node", "stage_tokens"}
+    assert refused["lr"] == ["5 is greater than the maximum of 1"]
+    assert refused["eval_every"] == ["1000 is not a multiple of 1024"]
+    # what the UI checks: before, only the rows' bounds (inside `items`) survived its cut; now every field's do
+    assert set(errors(_as_the_ui_sends_it(before), bad)) == {"stage_tokens"}
+    assert errors(_as_the_ui_sends_it(after), bad) == refused

@@ -196,6 +196,27 @@ def first_hour(person):
     return seen
 
 
+def test_the_form_marks_bad_values_in_place_and_starts_nothing(person):
+    """lr 5 and a checkpoint interval that is no multiple of a step, typed into the form and submitted: each field
+    is marked red with its reason under it, and no flow run is created (before, the form passed them and only the
+    server's refusal of the run said so, in a toast naming `params.lr`)."""
+    deployment = prefect_api("GET", f"{person.stack.api_url}/deployments/name/pretrain_pipeline/pretrain").json()
+    page = person.page
+    page.goto(f"{person.stack.ui_url}/deployments/deployment/{deployment['id']}/run")
+    field(page, "Recipe", "textarea").first.wait_for(timeout=60_000)
+    field(page, "Peak learning rate").first.fill("5")
+    field(page, "Checkpoint every").first.fill("1000")
+    created = []
+    page.on("request", lambda r: created.append(r.url) if r.url.endswith("/create_flow_run") else None)
+    page.get_by_role("button", name="Submit").click()
+    person.see("5 is greater than the maximum of 1", timeout_s=30)
+    person.see(re.compile(r"1000 is not a multiple of \d+"), timeout_s=30)
+    person.shot("prefect-form-refused", showing="5 is greater than the maximum of 1")
+    page.wait_for_timeout(2000)  # a run the click created would have been requested by now
+    assert created == []
+    assert not page.get_by_text("Error creating flow run").count()
+
+
 def test_the_form_starts_a_run_named_after_the_run(first_hour, person):
     running = first_hour["running"]
     assert running["name"] == RUN and f"run:{RUN}" in running["tags"]
