@@ -223,32 +223,19 @@ def recipe_schema(schema: dict[str, Any], recipe) -> dict[str, Any]:
     (trainers/config.batch_alignment_error: each stage's own step for its budget, the run's for eval.every).
     A budget row's multiple differs per stage where stages differ in batch or length; the schema then says the
     multiple all of them share, and the flow refuses the rest in one line first thing."""
-    import copy
     import math
 
-    patched = copy.deepcopy(schema)
     seq_len, batch = recipe.data.seq_len, recipe.train.global_batch_size
     steps = [(s.global_batch_size or batch) * (s.seq_len or seq_len) for s in recipe.train.stages]
 
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-            return
-        if not isinstance(node, dict):
-            return
-        props = node.get("properties")
-        if isinstance(props, dict):
-            if "eval_every" in props:
-                props["eval_every"]["multipleOf"] = batch * seq_len
-            if {"stage", "tokens"} <= set(props):  # a stage budget row (flows/recipe.StageBudget)
-                props["stage"]["enum"] = [s.name for s in recipe.train.stages]
-                props["tokens"]["multipleOf"] = math.gcd(*steps)
-        for value in node.values():
-            walk(value)
+    def bound(props: dict[str, Any]) -> None:
+        if "eval_every" in props:
+            props["eval_every"]["multipleOf"] = batch * seq_len
+        if {"stage", "tokens"} <= set(props):  # a stage budget row (flows/recipe.StageBudget)
+            props["stage"]["enum"] = [s.name for s in recipe.train.stages]
+            props["tokens"]["multipleOf"] = math.gcd(*steps)
 
-    walk(patched)
-    return patched
+    return _edit_properties(schema, bound)
 
 
 # What Prefect's UI (3.8, the default UI) sends its server to check a form: each property of the parameter schema
@@ -270,10 +257,23 @@ UI_DROPPED_BOUNDS = (
 
 def bounds_the_ui_checks(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` with every property's bounds moved under its `allOf` (UI_DROPPED_BOUNDS): the same constraints,
-    which Prefect's UI now checks as the person types instead of leaving them to a toast after Submit."""
+    which Prefect's UI then marks in place on Submit instead of leaving them to the server's toast."""
+
+    def move(props: dict[str, Any]) -> None:
+        for prop in props.values():
+            if isinstance(prop, dict):
+                bounds = {k: prop.pop(k) for k in UI_DROPPED_BOUNDS if k in prop}
+                if bounds:
+                    prop["allOf"] = [*prop.get("allOf", []), bounds]
+
+    return _edit_properties(schema, move)
+
+
+def _edit_properties(schema: dict[str, Any], edit) -> dict[str, Any]:
+    """A copy of `schema` with `edit` applied to every `properties` mapping in it, however deep."""
     import copy
 
-    moved = copy.deepcopy(schema)
+    edited = copy.deepcopy(schema)
 
     def walk(node: Any) -> None:
         if isinstance(node, list):
@@ -282,18 +282,13 @@ def bounds_the_ui_checks(schema: dict[str, Any]) -> dict[str, Any]:
             return
         if not isinstance(node, dict):
             return
-        props = node.get("properties")
-        if isinstance(props, dict):
-            for prop in props.values():
-                if isinstance(prop, dict):
-                    bounds = {k: prop.pop(k) for k in UI_DROPPED_BOUNDS if k in prop}
-                    if bounds:
-                        prop["allOf"] = [*prop.get("allOf", []), bounds]
+        if isinstance(node.get("properties"), dict):
+            edit(node["properties"])
         for value in node.values():
             walk(value)
 
-    walk(moved)
-    return moved
+    walk(edited)
+    return edited
 
 
 def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: str | None) -> None:
