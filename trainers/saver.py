@@ -106,6 +106,15 @@ def _walk(folder: Path):
             yield entry
 
 
+def _written_by_this_rank(folder: Path) -> list[str]:
+    """The names of a sharded checkpoint folder's files this rank writes: its shards, and on rank 0 DCP's metadata."""
+    rank = dist.get_global_rank()
+    mine = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        mine.append(checkpoints.SHARD_METADATA)
+    return mine
+
+
 def _node_ranks() -> set[int]:
     """The global ranks of this node (Composer's launcher numbers them node by node)."""
     per_node = dist.get_local_world_size()
@@ -176,10 +185,8 @@ class PublishingCheckpointSaver(CheckpointSaver):
         from composer.utils.checkpoint import get_save_filename
 
         written = Path(get_save_filename(state, self.filename.format(state, keep_placeholders=True)))
-        if state.fsdp_sharded_state_dict_enabled:  # this rank's shards of the step's folder (rank 0: the metadata)
-            mine = list(written.parent.glob(f"__{dist.get_global_rank()}_*.distcp"))
-            if dist.get_global_rank() == 0:
-                mine.append(written.parent / checkpoints.SHARD_METADATA)
+        if state.fsdp_sharded_state_dict_enabled:
+            mine = [written.parent / name for name in _written_by_this_rank(written.parent)]
         else:
             mine = [written]
         for path in mine:
@@ -230,10 +237,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
         """
         folder = self.run_folder.path / self.run_folder.sharded_template(self.run_stage.index).format(token=tokens)
         folder = folder.resolve()
-        rank = dist.get_global_rank()
-        mine = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
-        if rank == 0:
-            mine.append(checkpoints.SHARD_METADATA)
+        mine = _written_by_this_rank(folder)
         if mine:
             maybe_fault("save", tokens, folder / mine[0])  # a kill mid-write of this rank's shard
         entries = [e.model_dump() for e in checkpoints.shard_files(folder, mine)]
