@@ -97,6 +97,26 @@ def test_a_failed_probe_is_an_infrastructure_retry_and_a_slow_rank_is_named():
     assert even["slow"] == [] and not describe_preflight("s", even)[1]
 
 
+def test_the_matmul_probe_is_the_best_window_and_a_straggler_hook_slows_it_by_its_factor(monkeypatch):
+    """The probe's figure is the rate of its best short window, so a rank probing while other processes hold the
+    cores still reports its own rate; the fault hook's x3 rank reports a third of it (the watchdog test's slow rank
+    is named by this figure; a mean over the whole probe named the wrong rank at load)."""
+    import time
+
+    import torch
+
+    from trainers.preflight import MATMUL_S, matmul_gflops
+
+    monkeypatch.setenv("RANK", "1")
+    clean = max(matmul_gflops(torch.device("cpu")) for _ in range(2))
+    monkeypatch.setenv("TESSERA_FAULT", "slow:x3")
+    monkeypatch.setenv("TESSERA_FAULT_RANK", "1")
+    start = time.perf_counter()
+    slowed = matmul_gflops(torch.device("cpu"))
+    assert time.perf_counter() - start >= 3 * MATMUL_S  # the hook takes the time, as a slow node would
+    assert clean / 4.5 < slowed < clean / 2
+
+
 def test_composers_environment_probe_starts_no_second_python(monkeypatch):
     """Every Trainer logs Composer's environment, and its CPU name came from py-cpuinfo, which runs a second
     Python interpreter (a second of CPU per rank per launch); the build reads the name without one."""

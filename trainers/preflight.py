@@ -7,7 +7,7 @@ and the start is planned, before the model is built or a checkpoint loaded:
   out), that the save folder takes a file (created, fsynced, removed), and that an s3 save folder
   takes an object (put, deleted). The stage's data was verified just before, by the plan
   (trainers/data_check.py);
-- every rank times a short matmul (a tenth of a second) and, with several ranks, an
+- every rank times a short matmul (the best of its windows in a tenth of a second) and, with several ranks, an
   all-reduce of 16 MB over the launch's backend (gloo or NCCL) as bus bandwidth.
 
 Each rank posts its figures to the launch's store as JSON (no collective, no pickle); rank 0 prints
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_OF_ROOM = 2
 MATMUL_S = 0.1  # how long the matmul probe runs: long enough for a steady rate, short beside any launch
+MATMUL_WINDOW = 4  # matmuls between clock reads: a window of about a millisecond on a CPU, under a time slice
 ALLREDUCE_BYTES = 16 << 20
 ALLREDUCE_ROUNDS = 3
 GATHER_TIMEOUT_S = 120
@@ -98,25 +99,33 @@ def _check_remote(uri: str) -> None:
 
 
 def matmul_gflops(device: torch.device) -> float:
-    """GFLOP/s of square matmuls for about MATMUL_S seconds: fp32 on a CPU, bf16 on a GPU."""
+    """GFLOP/s of square matmuls (fp32 on a CPU, bf16 on a GPU): the best of the short windows in about MATMUL_S
+    seconds. Contention from other processes only ever slows a window, so the best one is the node's own rate,
+    where the mean over the whole probe was the load of the moment: two ranks on a machine at load 8 differed by
+    1.7x that way, enough to name the wrong rank slow."""
     n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm up: the first call pays for kernel selection
     _sync(device)
-    rounds, start = 0, time.perf_counter()
-    time.sleep(slowed_by() + MATMUL_S * (1 - 1 / slow_factor()))  # test hook: a straggler's probe
+    best, start = 0.0, time.perf_counter()
+    window_start = start
     while True:
-        torch.matmul(a, b)
-        rounds += 1
-        if rounds % 4 == 0:
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= MATMUL_S:
-                break
+        for _ in range(MATMUL_WINDOW):
+            torch.matmul(a, b)
+        _sync(device)
+        now = time.perf_counter()
+        best = max(best, 2 * n**3 * MATMUL_WINDOW / (now - window_start) / 1e9)
+        window_start = now
+        if now - start >= MATMUL_S:
+            break
     if not torch.isfinite(a @ b[:, :1]).all():
         raise InfrastructureError(f"preflight: the matmul probe on {device} gave non-finite numbers")
-    return 2 * n**3 * rounds / elapsed / 1e9
+    # test hook: a straggler's probe takes `slow:<seconds>` longer, or `slow:x<F>` F times as long, for the same work
+    computed = now - start
+    slowed = computed * (slow_factor() - 1) + slowed_by()
+    time.sleep(slowed)
+    return best * computed / (computed + slowed)
 
 
 def allreduce_gb_per_s(device: torch.device, world: int) -> float:
