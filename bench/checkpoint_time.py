@@ -24,15 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
 
-import torch  # noqa: E402
+import torch
 
 
 def launch(job_path: Path, env: dict[str, str], expect: int) -> float:

@@ -23,16 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+import argparse
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from trainers.data_check import CHUNK, verify_stream  # noqa: E402
+from trainers.data_check import CHUNK, verify_stream
 
 
 def write_shards(folder: Path, megabytes: int, seq_len: int) -> int:

@@ -40,11 +40,11 @@ import time
 import torch
 import transformers
 
-from evaluation.batching import collate_rows, distinct_positions, length_batches, token_index  # noqa: E402
-from evaluation.prompts import prepare_split, validate_records  # noqa: E402
-from evaluation.scoring import score_choice_items  # noqa: E402
-from evaluation.sources import read_jsonl, resolve  # noqa: E402
-from evaluation.spec import load_tasks  # noqa: E402
+from evaluation.batching import collate_rows, distinct_positions, length_batches, token_index
+from evaluation.prompts import prepare_split, validate_records
+from evaluation.scoring import score_choice_items
+from evaluation.sources import read_jsonl, resolve
+from evaluation.spec import load_tasks
 
 
 def demo_model(vocab: int, device: str, d_model: int, layers: int, seq_len: int):

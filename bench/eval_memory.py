@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.gauntlet import cut_demo_tasks  # noqa: E402
+from tests.support.gauntlet import cut_demo_tasks
 
 # A child's own peak RSS, printed as its last line. VmHWM, not ru_maxrss: Linux carries ru_maxrss
 # across execve, so a child of this process (which has just trained the 125M model) would report

@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
 
-import torch  # noqa: E402
+import torch
 
 VOCAB = 50277  # GPT-NeoX's tokenizer, as the demo and the recipes use it
 GOALS = {"ratio": 0.98, "mfu": {"350m": 0.40, "1b": 0.45}}

@@ -28,18 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
 
-import httpx  # noqa: E402
-import yaml  # noqa: E402
+import httpx
+import yaml
 
 
 def free_port() -> int:

@@ -29,12 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
 
 
 def launch(job_path: Path, fault_tokens: int, extra: dict[str, str] | None = None) -> tuple[int, float, str]:

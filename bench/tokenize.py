@@ -23,7 +23,6 @@ The last line printed is one JSON object.
 
     .venv/bin/python bench/tokenize.py [--case all|large|small] [--mb 52] [--seq-len 2048] [--workers N]
 """
-# ruff: noqa: E402  (stdlib imports must follow the sys.path fix below)
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def _from_mlflow_model(path: Path, source: str, trust: bool) -> LoadedModel:
 
     try:
         parts = mlflow.transformers.load_model(str(path), return_type="components")
-    except Exception as exc:  # noqa: BLE001 - any flavor failure means this is not a model we can score
+    except Exception as exc:  # any flavor failure means this is not a model we can score
         raise GauntletError(f"{source}: cannot load the MLflow transformers model: {str(exc).splitlines()[0]}") from exc
     model = parts["model"].eval()
     return LoadedModel(model, parts["tokenizer"], model_max_seq_len(model), source)

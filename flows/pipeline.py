@@ -201,7 +201,7 @@ def record_flow_run_end(flow_run, state, tracking, run_name: str) -> None:
         status = "KILLED" if state.is_cancelled() or state.is_cancelling() else "FAILED"
         note = f"Prefect flow run {flow_run.name!r} ({flow_run.id}) {state.name}: {state.message or ''}".strip()
         close_run.fn(tracking, run.info.run_id, status, note)
-    except Exception:  # noqa: BLE001 - a hook must never turn one failure into two
+    except Exception:  # a hook must never turn one failure into two
         logging.getLogger("tessera.pipeline").warning(
             "could not record the end of flow run %s in MLflow", flow_run.id, exc_info=True
         )

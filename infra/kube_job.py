@@ -193,7 +193,7 @@ class KubernetesJob:
             outcome = self._group.until_end(self.watch_s)
         except KubeError as exc:
             outcome = Outcome(RETRYABLE, "failure", f"lost track of {self.kind} {self.name}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen client error: retryable, and said
+        except Exception as exc:  # a bug or an unforeseen client error: retryable, and said
             log.exception("the watch of %s %s failed", self.kind, self.name)
             outcome = Outcome(
                 RETRYABLE, "failure", f"lost track of {self.kind} {self.name}: {type(exc).__name__}: {exc}", lost=True

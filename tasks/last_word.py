@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         keep(args[0])
-    except Exception:  # noqa: BLE001 - the explanation stays in the run's state history and its log
+    except Exception:  # the explanation stays in the run's state history and its log
         log.warning("could not keep the explanation of flow run %s as its last state", args[0], exc_info=True)
     return 0
 

@@ -216,7 +216,7 @@ class ProgressRelay:
                 self._artifact_id = create_progress_artifact(percent, key=key, description=description)
             else:
                 update_progress_artifact(self._artifact_id, percent, description=description)
-        except Exception:  # noqa: BLE001 - a progress bar is never worth failing a training stage
+        except Exception:  # a progress bar is never worth failing a training stage
             self.logger.debug("progress artifact update failed", exc_info=True)
 
     def _update_bar(self) -> None:

@@ -15,7 +15,7 @@ from infra import LaunchRefused, allow_launches, cancel_all, kube_api
 from infra.kubernetes import KubernetesBackend
 from tests.k8s.variants import CPU_ONE_NODE, GPU_TWO_NODES, compute
 from tests.test_k8s_launcher import PROGRESS, Cluster, _end, _launch, settle
-from tests.test_k8s_launcher import api as api  # noqa: F401 - the fake API server fixture, shared
+from tests.test_k8s_launcher import api as api  # the fake API server fixture, shared
 
 NAME = "tessera-tiny-s0-a0"
 

@@ -176,7 +176,7 @@ def _two_ranks(rank: int, init: str, local: str, mine: bool, out: str) -> None: 
     import trainers.shm as ours
 
     # a rank still here after SPAWN_S says where it waits (once a full suite saw both ranks wait 900 s in a futex)
-    stacks = open(Path(out.format(rank)).with_suffix(".stacks"), "w")  # noqa: SIM115 - open until the process ends
+    stacks = open(Path(out.format(rank)).with_suffix(".stacks"), "w")  # open until the process ends
     faulthandler.dump_traceback_later(SPAWN_S - 10, file=stacks)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", NODE_RANK="0")
     # a bounded group: a peer that died fails the test in a minute instead of leaving this rank waiting

@@ -47,7 +47,7 @@ class Beat:
         folder.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(folder / f"rank{rank}.json", os.O_RDWR | os.O_CREAT, 0o644)
         # Kept open for the life of the process: faulthandler writes to its descriptor from a signal handler.
-        self.stacks = open(folder / f"stacks-rank{rank}.txt", "w")  # noqa: SIM115
+        self.stacks = open(folder / f"stacks-rank{rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True, chain=False)
         now = time.time()
         host = socket.gethostname()

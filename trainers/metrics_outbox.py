@@ -270,7 +270,7 @@ class Outbox:
             if self._copy_stale:
                 try:
                     self._write_copy()
-                except Exception as exc:  # noqa: BLE001 - boto3's and the store's errors alike
+                except Exception as exc:  # boto3's and the store's errors alike
                     raise RetryableError(f"metrics: cannot write {self.copy.uri}: {_one_line(exc)}") from exc
 
     def close(self, wait_s: float) -> int:

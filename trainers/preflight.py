@@ -161,7 +161,7 @@ def run(job: TrainJob, device: torch.device, rank: int, world: int) -> dict | No
             mine["allreduce_gb_per_s"] = round(allreduce_gb_per_s(device, world), 3)
     except (FatalError, InfrastructureError):
         raise
-    except Exception as exc:  # noqa: BLE001 - a probe that cannot run says the node is unwell, not the job
+    except Exception as exc:  # a probe that cannot run says the node is unwell, not the job
         raise InfrastructureError(f"preflight: a probe failed on rank {rank} ({host}): {exc}") from exc
     ranks = [mine] if world == 1 else _gather(mine, rank, world)
     if ranks is None:

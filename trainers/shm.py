@@ -159,7 +159,7 @@ def get_shm_prefix(streams_local: list[str], streams_remote: list, world, retry:
     if world.is_local_leader:
         try:
             registered = _register(streams_local, streams_remote, retry)
-        except Exception as exc:  # noqa: BLE001 - said to the node's other ranks, then raised here
+        except Exception as exc:  # said to the node's other ranks, then raised here
             if _several_ranks():
                 _leaders_prefix(None, f"{type(exc).__name__}: {exc}", True)
             raise

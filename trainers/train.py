@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         try:
             trainer.fit()
-        except Exception as exc:  # noqa: BLE001 - every failure maps to an exit code below
+        except Exception as exc:  # every failure maps to an exit code below
             code = record_anomaly(job, exc)  # NaN / spike: schedule a rollback, or give up
             if code is not None:
                 decide_exit(code)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         decide_exit(ExitCode.INTERRUPTED)
         print(f"tessera.train: {exc}", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         from trainers.data_check import first_damage
 
         if first_damage() is not None:  # Streaming's download thread found it; the loop saw only a failure
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             try:
                 trainer.close()
-            except Exception:  # noqa: BLE001 - with a peer gone, close's collectives fail too; keep the exit code
+            except Exception:  # with a peer gone, close's collectives fail too; keep the exit code
                 logging.getLogger("tessera.train").warning("trainer.close() failed", exc_info=True)
 
 

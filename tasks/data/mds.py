@@ -30,7 +30,7 @@ def writer_class() -> type:
             placeholders = {n: types.ModuleType(n) for n in _COLLECTIONS if n not in sys.modules}
             sys.modules.update(placeholders)
             try:
-                import streaming  # noqa: F401
+                import streaming
             except ImportError:
                 for name in placeholders:
                     sys.modules.pop(name, None)
