@@ -136,7 +136,7 @@ def main() -> None:
         recipe = recipe_in(tmp, args.scale)
         env = {**os.environ, "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}
         prepared = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "prepare", str(recipe)],
+            [sys.executable, "-m", "cli.main", "prepare", str(recipe)],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -152,7 +152,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "flows.cli",
+                    "cli.main",
                     "up",
                     str(recipe),
                     "--work-dir",

@@ -163,7 +163,7 @@ SMALL_BYTES = 150_000
 REPEAT = 3
 SERVER_PROBE = """
 import time
-from flows.runtime import quiet_environment
+from tasks.runtime import quiet_environment
 quiet_environment()
 from prefect.server.api.server import SubprocessASGIServer
 server = SubprocessASGIServer()
@@ -214,7 +214,7 @@ def small_case(work: Path) -> dict:
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"}
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_HOME", None)  # the CLI keeps Prefect's database in the recipe's work_dir
-    cli = [sys.executable, "-m", "flows.cli", "prepare"]
+    cli = [sys.executable, "-m", "cli.main", "prepare"]
     # Untimed: creates and migrates Prefect's database and warms the page cache, once per machine.
     warmup = small_recipe(work, paths[:1], "warmup")
     timed([*cli, str(warmup)], env)

@@ -22,17 +22,17 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.outcome import form_values, run_or_end
 from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline, stays_of
 from flows.prepare import prepare_sources
-from flows.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
-from flows.runtime import prepare_process
 from tasks import consumed_files, continuation
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
+from tasks.flow_outcome import form_values, run_or_end
 from tasks.mlflow_run import client_for, retrying
 from tasks.promote import Decision, champion_version, promote_challenger
+from tasks.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
+from tasks.runtime import prepare_process
 
 
 class ContinueParams(RecipeTarget):
@@ -148,7 +148,7 @@ def _record_end(flow, flow_run_, state) -> None:
     """
     from prefect.client.orchestration import get_client
 
-    from flows.outcome import REFUSED, keep_last_word
+    from tasks.flow_outcome import REFUSED, keep_last_word
 
     if state.name == REFUSED:
         return

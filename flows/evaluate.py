@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
-from flows.recipe import form_input
+from tasks.recipe import form_input
 from tasks.score import comparison_gains, score_model, write_reports
 
 
@@ -71,7 +71,7 @@ class EvalOutcome(BaseModel):
 
 @flow(name="tessera-eval", log_prints=True, validate_parameters=False)
 def eval_flow(params: EvalParams) -> EvalOutcome:
-    from flows.outcome import form_values
+    from tasks.flow_outcome import form_values
 
     params = form_values(EvalParams, params)  # one line, also with the UI's validation switched off
 

@@ -22,20 +22,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.futures import wait
 from pydantic import BaseModel, Field
 
-from flows.outcome import REFUSED, form_values, keep_last_word, run_or_end
 from flows.prepare import prepare_recipe_data
-from flows.recipe import (
-    NAME_PATTERN,
-    Recipe,
-    RecipeOverrides,
-    apply_overrides,
-    form_input,
-    load_recipe,
-    run_folder,
-)
-from flows.runtime import prepare_process
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
+from tasks.flow_outcome import REFUSED, form_values, keep_last_word, run_or_end
 from tasks.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.mlflow_run import (
     close_run,
@@ -47,8 +37,18 @@ from tasks.mlflow_run import (
     run_ui_url,
     served_elsewhere,
 )
+from tasks.recipe import (
+    NAME_PATTERN,
+    Recipe,
+    RecipeOverrides,
+    apply_overrides,
+    form_input,
+    load_recipe,
+    run_folder,
+)
 from tasks.register import Registration, move_aliases
 from tasks.run_slot import one_per_run, run_tag
+from tasks.runtime import prepare_process
 from tasks.train import (
     MlflowTarget,
     TrainJob,

@@ -192,7 +192,7 @@ def _prepare_run_name() -> str:
 @flow(name="prepare_data", flow_run_name=_prepare_run_name, log_prints=True)
 def prepare_data(params: PrepareParams) -> RecipeData:
     """Tokenize every source a recipe trains on, at every seq_len its stages use; finished outputs are skipped."""
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(params.recipe)
     return prepare_recipe_data(recipe.data, recipe.train.stages, recipe.name)

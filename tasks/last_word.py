@@ -1,7 +1,7 @@
 """A stopped flow run's explanation stays its last state, as Prefect's UI shows only the last.
 
 Prefect's runner (in the worker: `prefect worker start`, `tessera up`'s) ends a cancel in this order: it SIGTERMs
-the flow's process, which stops its trainer and ends the run Cancelled with what stays (flows/outcome.py); it runs
+the flow's process, which stops its trainer and ends the run Cancelled with what stays (tasks/flow_outcome.py); it runs
 the flow's on_cancellation hooks, in a subprocess of their own; then it forces a Cancelled of its own over the
 flow's, "Flow run was cancelled successfully.". The hook cannot wait for that write (the runner waits for the hook
 first), so it starts this watcher as a process of its own session: for at most WATCH_S it reads the run's states,

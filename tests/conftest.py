@@ -156,7 +156,7 @@ def start_tessera_up(recipe: Path, work_dir: Path, *args: str) -> tuple[subproce
             [
                 sys.executable,
                 "-m",
-                "flows.cli",
+                "cli.main",
                 "up",
                 str(recipe),
                 "--work-dir",
@@ -274,7 +274,7 @@ class LiveStack:
         """Until the API, an online worker, MLflow and every prefect.yaml deployment answer."""
         import httpx
 
-        from flows.deploy import load_project
+        from cli.deploy import load_project
 
         wanted = set(load_project().deployments)
         deadline = time.monotonic() + timeout

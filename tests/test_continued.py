@@ -63,7 +63,7 @@ class _Ran:
 def _cli(capsys, *args: str) -> _Ran:
     """`tessera ARGS` through the CLI's own main(): its exit code, what it printed and what it wrote to stderr.
     In this process (a fresh one per command would cost seconds of imports each); the session's Prefect API."""
-    from flows.cli import main
+    from cli.main import main
 
     capsys.readouterr()
     code = main(list(args))
@@ -72,14 +72,14 @@ def _cli(capsys, *args: str) -> _Ran:
 
 
 def _tracking(recipe: Path):
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     return load_recipe(recipe).tracking
 
 
 def _client(recipe: Path):
-    from flows.recipe import load_recipe
     from tasks.mlflow_run import client_for
+    from tasks.recipe import load_recipe
 
     return client_for(load_recipe(recipe).tracking)
 

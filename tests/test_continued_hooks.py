@@ -15,8 +15,8 @@ def _setup(tmp_path, run_name: str | None):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from flows.recipe import load_recipe
     from tasks.mlflow_run import open_run
+    from tasks.recipe import load_recipe
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     raw["tracking"] |= {"tracking_uri": sqlite_store(tmp_path / "m.db"), "artifact_location": str(tmp_path / "a")}
@@ -59,7 +59,7 @@ def test_a_refused_run_or_one_that_never_started_closes_nothing(tmp_path):
     from prefect.states import Cancelled
 
     from flows.continued import _record_end
-    from flows.outcome import REFUSED
+    from tasks.flow_outcome import REFUSED
 
     tracking, flow_run, run_id = _setup(tmp_path, "weekly-cpt-v1-0123abcd")
     _record_end(None, flow_run, Cancelled(name=REFUSED, message="run is live elsewhere"))

@@ -149,7 +149,7 @@ def test_a_damaged_shard_stops_the_run_in_one_line_and_a_rerun_prepares_it_again
     the output's done-marker is withdrawn; the rerun prepares the source again (the same bytes) and trains."""
     import yaml
 
-    from flows.cli import main
+    from cli.main import main
     from tests.conftest import ROOT, tiny_recipe
     from tests.support.gauntlet import cut_demo_tasks
     from trainers.format.checkpoints import list_complete

@@ -103,7 +103,7 @@ def test_prepare_makes_every_stage_length_that_run_trains_on(tmp_path, prefect_h
 
     # What `tessera run` calls (flows/pipeline.py), in this process: everything is already there.
     from flows.prepare import prepare_recipe_data
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     r = load_recipe(recipe)
     data = prepare_recipe_data(r.data, r.train.stages)

@@ -16,12 +16,12 @@ import httpx
 import psutil
 import pytest
 
+from cli.deploy import UI_DROPPED_BOUNDS, DeployError, load_project
 from flows.continued import ContinueParams
-from flows.deploy import UI_DROPPED_BOUNDS, DeployError, load_project
 from flows.evaluate import EvalParams
 from flows.pipeline import PipelineParams
 from flows.prepare import PrepareParams
-from flows.recipe import load_recipe
+from tasks.recipe import load_recipe
 from tests.conftest import ROOT, answers, free_port, prefect_api, start_tessera_up, stop_tree, tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ PARAMS = {
 
 def tessera(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", "cli.main", *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         capture_output=True,
@@ -177,7 +177,7 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
     assert weekly["parameters"] == {"params": {"recipe": served, "new_data": "data/incoming"}}
     # and the bounds only that recipe knows: its stages to choose from, the tokens of a step to be a multiple of
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(served)
     form = deployment(api, "pretrain_pipeline/pretrain")["parameter_openapi_schema"]["definitions"]["PipelineParams"]
@@ -285,7 +285,7 @@ def test_deploy_without_a_server_says_how_to_start_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path), PREFECT_PROFILES_PATH=str(tmp_path / "profiles.toml"))
     unset = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "cli.main", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert unset.returncode == 2
     assert unset.stderr.splitlines() == [

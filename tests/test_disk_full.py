@@ -89,7 +89,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
-    tessera = shlex.join([sys.executable, "-m", "flows.cli", "run", str(recipe)])
+    tessera = shlex.join([sys.executable, "-m", "cli.main", "run", str(recipe)])
     checkpoints = work / "runs" / "tiny" / "checkpoints"
     # Prepared data (~2 MB with the tests' tokenizer), two checkpoints (~4.4 MB each) and the logs fit in 12 MiB;
     # three do not.

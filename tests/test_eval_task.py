@@ -332,9 +332,9 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_eval_compare_the_flow_an
     the weights-only unpickler: one line naming the file and what it needs, and the payload never runs."""
     import yaml
 
+    from cli.main import main
     from evaluation.__main__ import EXIT_FATAL
     from evaluation.__main__ import main as pod_main
-    from flows.cli import main
     from flows.evaluate import EvalParams, eval_flow
     from tests.conftest import tiny_recipe
 

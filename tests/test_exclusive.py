@@ -15,7 +15,7 @@ from prefect import flow, tags
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-from flows.outcome import REFUSED, run_or_end
+from tasks.flow_outcome import REFUSED, run_or_end
 from tasks.run_slot import RunBusy, ensure_limit, holder_tag, limit_name, one_per_run, run_tag
 
 
@@ -185,7 +185,7 @@ def test_tessera_run_killed_with_its_whole_process_group_reruns_at_once_and_resu
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def tessera(run: str, **kw):
-        cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", run]
+        cmd = [sys.executable, "-m", "cli.main", "run", str(recipe), "--run-name", run]
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
         )

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from flows.outcome import form_values
 from flows.pipeline import PipelineParams
-from flows.recipe import NAME_PATTERN, RecipeError, apply_overrides, load_recipe
 from tasks.artifacts import artifact_key
+from tasks.flow_outcome import form_values
+from tasks.recipe import NAME_PATTERN, RecipeError, apply_overrides, load_recipe
 from tasks.train import exit_kind
 from tasks.train_progress import ProgressRelay, Rate, describe, progress_bar
 from tests.conftest import ROOT
@@ -231,8 +231,8 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused_in_one_line(name
     and the flow (validation off) refuse every name that does not name one folder inside runs/."""
     import re
 
-    from flows.cli import main
-    from flows.recipe import run_folder
+    from cli.main import main
+    from tasks.recipe import run_folder
     from tests.conftest import tiny_recipe
 
     assert not re.fullmatch(NAME_PATTERN, name)
@@ -321,7 +321,7 @@ def test_the_forms_bounds_reach_the_check_prefects_ui_makes_in_place():
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools.validation import build_error_obj, preprocess_schema, validate
 
-    from flows.deploy import UI_DROPPED_BOUNDS, bounds_the_ui_checks, recipe_schema
+    from cli.deploy import UI_DROPPED_BOUNDS, bounds_the_ui_checks, recipe_schema
     from flows.pipeline import pretrain_pipeline
 
     assert not set(UI_DROPPED_BOUNDS) & _ui_property_keys() and {"allOf", "items"} <= _ui_property_keys()

@@ -117,7 +117,7 @@ def test_goodput_measures_the_run_not_the_calendar(tmp_path):
 
 def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(tmp_path):
     recipe, _, _ = _run(tmp_path)
-    cli = [sys.executable, "-m", "flows.cli", "status"]
+    cli = [sys.executable, "-m", "cli.main", "status"]
     out = subprocess.run([*cli, "r", "--recipe", str(recipe)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()

@@ -7,7 +7,7 @@ import json
 import kubernetes_validate
 import yaml
 
-from flows.cli import main
+from cli.main import main
 from infra.kubernetes import KubernetesBackend
 from tests.conftest import ROOT
 from tests.k8s.fake_apiserver import FakeApiServer

@@ -254,7 +254,7 @@ def test_no_secret_value_in_any_manifest():
 )
 def test_credential_looking_env_is_refused_by_its_name_or_value_and_the_value_is_never_said(name, value, tmp_path):
     """The recipe's one-line error names the variable and the way (a Secret), never the value."""
-    from flows.recipe import RecipeError, load_recipe
+    from tasks.recipe import RecipeError, load_recipe
 
     raw = yaml.safe_load((ROOT / "configs" / "k8s-1b.yaml").read_text())
     raw["compute"]["kubernetes"]["env"] = {name: value}
@@ -268,7 +268,7 @@ def test_credential_looking_env_is_refused_by_its_name_or_value_and_the_value_is
 
 def test_plain_env_is_accepted_and_only_its_names_become_mlflow_params(tmp_path):
     """A URL without a password, NCCL's settings: accepted, in the manifests, and in MLflow's params by name only."""
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     env = {"AWS_ENDPOINT_URL": "https://s3.example.com", "NCCL_DEBUG": "INFO"}
     raw = yaml.safe_load((ROOT / "configs" / "k8s-1b.yaml").read_text())
@@ -359,7 +359,7 @@ def test_eval_job_is_one_gpu_pod_without_distributed_launcher():
 
 
 def test_recipe_errors_are_one_line_naming_the_field(tmp_path):
-    from flows.recipe import RecipeError, load_recipe
+    from tasks.recipe import RecipeError, load_recipe
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
 

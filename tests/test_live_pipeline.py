@@ -337,7 +337,7 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
     )
     assert refused.status_code == 409 and "lr" in refused.text  # no flow run was created at all
     # the bounds only the served recipe knows are in the form's schema too: refused by the server, marked by the UI
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(str(stack.recipe))
     step = recipe.train.global_batch_size * recipe.data.seq_len
@@ -401,7 +401,7 @@ def test_no_service_logged_an_error_during_the_whole_session(live_stack):
     the event and task-run recorders, ...), the worker and MLflow ran through every live test above
     without logging an error, which `tessera up` would have printed on its terminal. A pin pip check
     accepts can still break a service that only runs in the background (SQLAlchemy 2.1 broke the scheduler)."""
-    from flows.service_logs import CONTENTION_HINT
+    from cli.service_logs import CONTENTION_HINT
 
     time.sleep(3)  # tessera up reads the logs once a second
     said = [line for line in live_stack.output.read_text().splitlines() if "logged an error" in line]

@@ -133,8 +133,8 @@ def test_an_mlflow_model_that_names_code_is_refused_by_every_loader_and_runs_not
     """`tessera eval FOLDER`, `tessera compare`, a `models:/` alias whose version's source is the folder, the
     evaluation pod and `model.init_from` each refuse it in one line naming its MLmodel; the code never runs,
     and nothing is put on sys.path. --trust-checkpoint is the way past, through MLflow's own loader."""
+    from cli.main import main
     from evaluation.models import load_model
-    from flows.cli import main
     from tests.conftest import tiny_recipe
     from trainers.model import load_weights_from
 
@@ -222,7 +222,7 @@ def test_foreign_pickles_are_one_line_refusals_not_tracebacks(prefect_harness, m
     checkpoint at all is one line too."""
     from safetensors.torch import load_file
 
-    from flows.cli import main
+    from cli.main import main
     from trainers.model import load_weights_from
 
     marker = tmp_path / "payload-ran"

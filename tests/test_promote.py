@@ -438,7 +438,7 @@ def test_tessera_promote_waits_for_the_promotion_lock(registry, tmp_path):
     recipe.write_text(yaml.safe_dump(raw))
     bootstrap(registry, "m", "2", "base")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    cmd = [sys.executable, "-m", "flows.cli", "promote", "models:/m/1", "--recipe", str(recipe), "--note", "wait"]
+    cmd = [sys.executable, "-m", "cli.main", "promote", "models:/m/1", "--recipe", str(recipe), "--note", "wait"]
     with promotion_lock("m", "test"):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(15)  # the CLI starts in a few seconds; then it waits on the lock

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from flows.recipe import RecipeError, load_recipe, parse_recipe
+from tasks.recipe import RecipeError, load_recipe, parse_recipe
 from tests.conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -126,7 +126,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(tiny_text().replace("{literary: 0.8, stories: 0.2}", "{literary: 0.8}"))
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cli.main", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -169,8 +169,8 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_anything_starts():
 def test_a_run_name_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys):
     """A 236-character run name used to train three launches, each failing at its first state file: now the
     name is refused before anything runs, saying how long a name may be on this file system."""
-    from flows.cli import main
-    from flows.recipe import longest_run_name, run_folder
+    from cli.main import main
+    from tasks.recipe import longest_run_name, run_folder
     from tests.conftest import tiny_recipe
 
     recipe = tiny_recipe(tmp_path)

@@ -18,8 +18,7 @@ import pytest
 import yaml
 from tokenizers import Tokenizer
 
-from flows.cli import main
-from flows.recipe import Recipe, load_recipe
+from cli.main import main
 from infra.backends import backend_for
 from infra.kube_names import Workload
 from infra.local import LocalBackend
@@ -27,6 +26,7 @@ from infra.manifests import eval_job
 from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER
 from tasks.data.results import PreparedData, PreparedSource
 from tasks.data.tokenizer import TokenizerInfo, token_dtype
+from tasks.recipe import Recipe, load_recipe
 from tasks.train import make_job, write_job
 from tests.conftest import ROOT
 from tests.test_k8s_manifests import K8S_VERSIONS, _by_kind, _core_objects

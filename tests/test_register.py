@@ -187,7 +187,7 @@ def test_cli_reports_dead_tracking_server(tmp_path):
     recipe = tmp_path / "dead.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(recipe)], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "cli.main", "run", str(recipe)], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("tessera: error:")]

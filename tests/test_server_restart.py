@@ -74,7 +74,7 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
     try:
         with open(tmp_path / "run-1.log", "wb") as out:
             run = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
+                [sys.executable, "-m", "cli.main", "run", str(recipe), "--run-name", "restart"],
                 cwd=ROOT,
                 env=env,
                 stdout=out,
@@ -103,7 +103,7 @@ def test_a_server_restart_mid_run_then_a_rerun_of_the_same_name(tmp_path):
 
         started = time.monotonic()
         again = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "run", str(recipe), "--run-name", "restart"],
+            [sys.executable, "-m", "cli.main", "run", str(recipe), "--run-name", "restart"],
             cwd=ROOT,
             env={k: v for k, v in env.items() if not k.startswith("TESSERA_FAULT")},
             capture_output=True,

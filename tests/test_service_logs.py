@@ -1,4 +1,4 @@
-"""`tessera up` says its services' errors on its terminal (flows/service_logs.py).
+"""`tessera up` says its services' errors on its terminal (cli/service_logs.py).
 
 The fixture log is a real Prefect 3.8.8 server log from a `tessera up` on SQLAlchemy 2.1.9: its scheduler
 failed every loop, and nobody saw it because the errors stayed in that file.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+from cli.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
 
 FIXTURE = Path(__file__).parent / "fixtures" / "prefect-server-scheduler-error.log"
 BULK_DML = (

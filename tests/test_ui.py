@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.recipe import load_recipe
+from tasks.recipe import load_recipe
 from tests.conftest import prefect_api
 
 pytestmark = [pytest.mark.slow, pytest.mark.ui]

@@ -22,7 +22,7 @@ from pydantic import (
 
 # The most characters tessera adds to a run's name in a file name of its save folder: the longest is a set-aside
 # checkpoint, `<run>-s<K>-tok<T>-rank0.pt.unpublished` (44 with a 15-digit token count), with room to spare.
-# A run name longer than the file system's name limit less this is refused before anything runs (flows/recipe.py).
+# A run name longer than the file system's name limit less this is refused before anything runs (tasks/recipe.py).
 NAME_RESERVE = 64
 
 
@@ -333,7 +333,7 @@ def stage_bounds(train: TrainConfig) -> list[tuple[int, int]]:
 def batch_alignment_error(train: TrainConfig, seq_len: int, every: int) -> tuple[tuple, str] | None:
     """The first token count that whole steps cannot land on, as (recipe location, message); eval.every first.
 
-    The one statement of the rule: the recipe's cross-check (flows/recipe.py) and TrainJob both use it.
+    The one statement of the rule: the recipe's cross-check (tasks/recipe.py) and TrainJob both use it.
     A stage's step is its own global_batch_size x seq_len; eval.every is checked against the run's.
     """
     per_batch = train.global_batch_size * seq_len

@@ -1,7 +1,7 @@
 """`tessera eval`, `compare`, `promote` and `continue`: the commands about models rather than runs.
 
-Each parses nothing itself (flows/cli.py's parser does) and returns the command's exit code; bad input
-raises the one-line errors flows/cli.py's main() prints.
+Each parses nothing itself (cli/main.py's parser does) and returns the command's exit code; bad input
+raises the one-line errors cli/main.py's main() prints.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flows.runtime import install_log_filter, work_prefect_home
+from tasks.runtime import install_log_filter, work_prefect_home
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Score two models on one gauntlet and keep the delta tables and plot."""
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)
@@ -81,9 +81,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Move `champion` by hand, recorded on the versions like a rule's decision."""
-    from flows.recipe import RecipeError, load_recipe
     from tasks.mlflow_run import client_for
     from tasks.promote import promote_by_hand
+    from tasks.recipe import RecipeError, load_recipe
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)  # the promotion lock is a Prefect concurrency limit
@@ -108,7 +108,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_continue(args: argparse.Namespace) -> int:
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)

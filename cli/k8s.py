@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from flows.runtime import EXIT_FAILED
+from tasks.runtime import EXIT_FAILED
 
 
 def _kubernetes_recipe(path: str):
-    from flows.recipe import RecipeError, load_recipe
+    from tasks.recipe import RecipeError, load_recipe
 
     recipe = load_recipe(path)
     if recipe.compute.backend != "kubernetes":
@@ -28,11 +28,11 @@ def planned_job(recipe, recipe_path: str, run: str):
     """The job `tessera run` would write for `run`, from the recipe alone: every field the launcher and the pods
     read as the run will have it, except what only the prepare stage and the run can know (HASH, MLFLOW_RUN),
     which are placeholders that say so. A tokenizer trained on the sources has no ids before that stage: refused."""
-    from flows.recipe import RecipeError
     from tasks.data.errors import DataError
     from tasks.data.results import PreparedData, PreparedSource
     from tasks.data.tokenizer import peek, token_dtype
     from tasks.mlflow_run import resolved_uri
+    from tasks.recipe import RecipeError
     from tasks.train import make_job
     from trainers.config import MlflowTarget
 
@@ -88,7 +88,7 @@ def _mixed(recipe, seq_len: int) -> set[str]:
 def _refuse_another_runs_job(job: Path, raw: dict, recipe, recipe_path: str, run: str) -> None:
     """A job file is the recipe's run's, or refused in one line: rendering the demo's job under a 1B recipe would
     print manifests that hold the tiny model and local paths."""
-    from flows.recipe import RecipeError
+    from tasks.recipe import RecipeError
 
     theirs_model = raw.get("model")
     ours_model = recipe.model.model_dump(mode="json")
@@ -121,8 +121,8 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
     import json
     import tempfile
 
-    from flows.recipe import RecipeError
     from infra.k8s_views import render_stage
+    from tasks.recipe import RecipeError
 
     recipe = _kubernetes_recipe(args.recipe)
     run = args.run_name or recipe.name

@@ -20,7 +20,7 @@ from typing import NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from flows.recipe import RecipeError
+from tasks.recipe import RecipeError
 
 REFUSED = "Refused"
 STOPPED_BY_UP = "stopped by `tessera up` shutting down"

@@ -1,7 +1,7 @@
 """`tessera up`: the whole UI on this machine, Prefect server + a process worker + MLflow, until Ctrl-C.
 
 This module decides what to start and where (ports, folders, the environment each service gets),
-starts it, publishes the deployments and says where everything is; flows/up_stack.py owns the
+starts it, publishes the deployments and says where everything is; cli/up_stack.py owns the
 processes, how they are watched (their errors said on the terminal) and how they are stopped.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.deploy import (
+from cli.deploy import (
     QUIET_ENV,
     Deployed,
     DeployError,
@@ -31,16 +31,16 @@ from flows.deploy import (
     load_project,
     recipe_default,
 )
-from flows.recipe import Recipe, load_recipe
-from flows.runtime import EXIT_BAD_INPUT, EXIT_FAILED, PREFECT_SERVER_OUTAGE
-from flows.up_stack import Service, UpError, _become_subreaper, _Stack
+from cli.up_stack import Service, UpError, _become_subreaper, _Stack
 from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri
+from tasks.recipe import Recipe, load_recipe
 from tasks.run_slot import ensure_names_lock
+from tasks.runtime import EXIT_BAD_INPUT, EXIT_FAILED, PREFECT_SERVER_OUTAGE
 
 LOCAL_POOL = "tessera-local"
 STATE_FILE = "state.json"
 
-# Every service and flow run gets what flows/cli.py sets for itself (offline, quiet), and no telemetry.
+# Every service and flow run gets what cli/main.py sets for itself (offline, quiet), and no telemetry.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

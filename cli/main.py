@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flows.cli_k8s import cmd_k8s_render, cmd_k8s_status
-from flows.cli_models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
-from flows.runtime import (
+from cli.k8s import cmd_k8s_render, cmd_k8s_status
+from cli.models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
+from tasks.runtime import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     bad_input_types,
@@ -23,7 +23,7 @@ from flows.runtime import (
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.recipe import RecipeError, load_recipe, run_folder
+    from tasks.recipe import RecipeError, load_recipe, run_folder
 
     recipe = load_recipe(args.recipe)  # fail on a bad recipe before any engine starts
     if args.run_name is not None:
@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)
@@ -65,8 +65,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Where a run's wall time went: its goodput ledger, from the run's own files."""
-    from flows.recipe import RecipeError, load_recipe, run_folder
     from tasks.goodput import BUCKETS, WORDS, for_job
+    from tasks.recipe import RecipeError, load_recipe, run_folder
     from tasks.train import TrainJob
 
     recipe = load_recipe(args.recipe)
@@ -93,10 +93,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows.deploy import DeployError, deploy
+    from cli.deploy import DeployError, deploy
 
     if args.recipe:
-        from flows.recipe import load_recipe
+        from tasks.recipe import load_recipe
 
         load_recipe(args.recipe)  # a form default that does not load: one line, before anything is published
     try:
@@ -110,7 +110,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from flows.up import UpError, UpOptions, up
+    from cli.up import UpError, UpOptions, up
 
     options = UpOptions(
         recipe=args.recipe,
@@ -270,7 +270,7 @@ def _work_dir(args: argparse.Namespace) -> str:
     if getattr(args, "work_dir", None):
         return args.work_dir
     try:
-        from flows.recipe import load_recipe
+        from tasks.recipe import load_recipe
 
         return load_recipe(args.recipe).work_dir
     except Exception:  # noqa: BLE001 - only to name a folder in an error message
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: flows/outcome.py
-        from flows.outcome import ended_message
+    except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: tasks/flow_outcome.py
+        from tasks.flow_outcome import ended_message
 
         ended = ended_message(exc)
         if ended is None:

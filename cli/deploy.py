@@ -297,7 +297,7 @@ def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: st
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
 
-    from flows.recipe import load_recipe
+    from tasks.recipe import load_recipe
 
     loaded = load_recipe(recipe) if recipe is not None else None
     with get_client(sync_client=True) as client:

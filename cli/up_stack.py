@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from flows.deploy import PROJECT_ROOT
-from flows.runtime import EXIT_FAILED
-from flows.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+from cli.deploy import PROJECT_ROOT
+from cli.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+from tasks.runtime import EXIT_FAILED
 
 STARTUP_TIMEOUT_S = 240.0  # a first start migrates a fresh database; 2 cores shared with training are slow
 FLOW_RUN_GRACE_S = 15.0  # a flow run cancels its trainer (10 s grace) and reports its state
@@ -179,7 +179,7 @@ class _Stack:
 
     def _tell_flow_runs(self, procs: list[psutil.Process]) -> None:
         """Mark each flow run about to be stopped Cancelling, saying why: the flow ends Cancelled with that
-        message instead of Crashed with none (flows/outcome.py reads it)."""
+        message instead of Crashed with none (tasks/flow_outcome.py reads it)."""
         if not self.api:
             return
         runs = set()

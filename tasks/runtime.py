@@ -45,17 +45,17 @@ PREFECT_SERVER_OUTAGE = ("PREFECT_CLIENT_MAX_RETRIES", "8")
 def bad_input_types() -> tuple[type[BaseException], ...]:
     """Errors whose one-line message is the whole story: bad recipes, bad data, an unusable server."""
     from evaluation.errors import GauntletError
-    from flows.recipe import RecipeError
     from tasks.continuation import ContinuationError
     from tasks.data.errors import DataError
     from tasks.mlflow_run import TrackingError, TrackingUnavailable
     from tasks.promote import ChampionKeptMoving
     from tasks.promote_lock import PromotionBusy
+    from tasks.recipe import RecipeError
     from tasks.run_slot import RunBusy
     from tasks.train import TrainingFailed
 
     # TrainingFailed, PromotionBusy and ChampionKeptMoving are here for their one-line messages; they are not bad
-    # input (flows/cli.py exits 1 for them)
+    # input (cli/main.py exits 1 for them)
     return (
         RecipeError,
         DataError,
@@ -131,7 +131,7 @@ def work_prefect_home(work_dir: str) -> None:
         try:
             home.mkdir(parents=True, exist_ok=True)  # the server's sqlite cannot create its own folder
         except OSError as exc:  # a file in the way, a read-only disk: no retry or traceback helps
-            from flows.recipe import RecipeError
+            from tasks.recipe import RecipeError
 
             raise RecipeError(
                 f"work_dir {work_dir}: cannot hold Prefect's database in {home} ({exc.strerror or exc})"

@@ -1,0 +1,1 @@
+"""The front door: the `tessera` command (cli/main.py), `tessera up` (the local stack) and deploy."""
