@@ -53,8 +53,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)
     usable_data_root(recipe)
-    from flows.prepare import PrepareParams, prepare_data, warm_up
+    from flows.prepare import PrepareParams, prepare_data
     from tasks.data import interrupt
+    from tasks.prepare import warm_up
 
     install_log_filter()
     warm_up(recipe.data)  # overlaps Prefect's server start-up

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.runtime import install_log_filter, work_prefect_home
+
+if TYPE_CHECKING:  # the flows import Prefect: `tessera --help` does not wait for it
+    from flows.evaluate import EvalOutcome
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     work_prefect_home(args.work_dir)
-    from flows.evaluate import eval_command
-
     install_log_filter()
     outcome = eval_command(
         args.model,
@@ -46,7 +48,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)
-    from flows.evaluate import eval_command
     from tasks.artifacts import artifact_key
     from tasks.mlflow_run import resolved_uri
 
@@ -139,3 +140,42 @@ def cmd_continue(args: argparse.Namespace) -> int:
         f"v{result.challenger}: {verdict}; champion v{result.champion}"
     )
     return 0
+
+
+def eval_command(
+    model: str,
+    tasks: str,
+    gauntlet: str | None = None,
+    data_root: str = ".",
+    *,
+    batch_size: int = 16,
+    max_seq_len: int | None = None,
+    seed: int = 1234,
+    strict: bool = False,
+    tracking_uri: str | None = None,
+    compare_to: str | None = None,
+    output_dir: str | None = None,
+    run_id: str | None = None,
+    step: int = 0,
+    trust_checkpoint: bool = False,
+) -> EvalOutcome:
+    """What `tessera eval` calls. Raises evaluation.GauntletError (one line) on bad input."""
+    from flows.evaluate import EvalParams, eval_flow
+
+    params = EvalParams(
+        model=model,
+        tasks=tasks,
+        gauntlet=gauntlet,
+        data_root=data_root,
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        strict=strict,
+        tracking_uri=tracking_uri,
+        compare_to=compare_to,
+        output_dir=output_dir,
+        run_id=run_id,
+        step=step,
+        trust_checkpoint=trust_checkpoint,
+    )
+    return eval_flow(params)

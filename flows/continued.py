@@ -22,16 +22,17 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.pipeline import PipelineResult, RecipeTarget, record_flow_run_end, run_pipeline, stays_of
+from flows.pipeline import PipelineResult, RecipeTarget, run_pipeline
 from flows.prepare import prepare_sources
 from tasks import consumed_files, continuation
 from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
 from tasks.flow_outcome import form_values, run_or_end
-from tasks.mlflow_run import client_for, retrying
+from tasks.mlflow_run import client_for
 from tasks.promote import Decision, champion_version, promote_challenger
-from tasks.recipe import NAME_PATTERN, Recipe, RecipeError, form_input, load_recipe
+from tasks.recipe import NAME_PATTERN, Recipe, form_input, load_recipe
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
+from tasks.run_record import record_flow_run_end, rename_flow_run, stays_of, tag_flow_run
 from tasks.runtime import prepare_process
 
 
@@ -115,10 +116,6 @@ class ContinueResult(BaseModel):
     champion: int | None = Field(None, description="The champion version after this run.")
 
 
-def _per_step(recipe: Recipe) -> int:
-    return recipe.train.global_batch_size * recipe.data.seq_len
-
-
 def _prefix(params: dict) -> str:
     return str(params.get("name_prefix") or Path(str(params.get("recipe", "tessera"))).stem)
 
@@ -130,14 +127,6 @@ def _flow_run_name() -> str:
     params = flow_run.parameters.get("params")
     params = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
     return f"{_prefix(params)}-cpt"
-
-
-def _rename_flow_run(name: str) -> None:
-    from prefect.client.orchestration import get_client
-
-    if flow_run.id:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run.id, name=name)
 
 
 def _record_end(flow, flow_run_, state) -> None:
@@ -197,7 +186,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
             description=f"Continued pretraining of {name}",
         )
         champion = champion_version(client_for(recipe.tracking), name)
-        _rename_flow_run(f"{_prefix(params.model_dump())}-cpt-no-new-data")
+        rename_flow_run(flow_run.id, f"{_prefix(params.model_dump())}-cpt-no-new-data")
         return ContinueResult(
             run_name="",
             base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
@@ -209,7 +198,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     name, version = base_mv.name, str(base_mv.version)
     base_uri = f"models:/{name}/{version}"
     run_name = continuation.run_name(params.name_prefix or recipe.name, version, fresh)
-    _rename_flow_run(run_name)
+    rename_flow_run(flow_run.id, run_name)
     logger.info(
         "continuing %s (run %s) on %d new file(s) of %d under %s",
         base_uri,
@@ -219,18 +208,16 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         params.new_data,
     )
 
-    source_name = f"new-{run_name.rsplit('-', 1)[-1]}"
-    source = {"name": source_name, "kind": params.new_data_format, "paths": [f.path for f in fresh]}
-    source |= {"separator": params.separator} if params.new_data_format == "text" else {"text_field": params.text_field}
+    source = continuation.new_source(run_name, fresh, params.new_data_format, params.separator, params.text_field)
     tokenizer = continuation.pinned_tokenizer(recipe.data, recipe.tracking, base_mv.run_id)
-    budget = params.tokens or _one_pass(recipe, source, tokenizer, params.replay_fraction)
-    per_step = _per_step(recipe)
-    budget = max(per_step, budget // per_step * per_step)
-    checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
-    raw = continuation.derive(
-        recipe.model_dump(mode="json"),
+    budget = continuation.whole_steps(
+        recipe, params.tokens or _one_pass(recipe, source, tokenizer, params.replay_fraction)
+    )
+    continued = continuation.continued_recipe(
+        recipe,
+        params.recipe,
         base_uri=base_uri,
-        checkpoint=checkpoint,
+        checkpoint=checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version),
         source=source,
         tokenizer=tokenizer,
         budget=budget,
@@ -241,12 +228,6 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         min_gain=params.min_gain,
         max_category_drop=params.max_category_drop,
     )
-    try:
-        continued = Recipe.model_validate(raw)
-    except Exception as exc:  # noqa: BLE001 - the derived recipe failing means the inputs were inconsistent
-        raise RecipeError(
-            f"{params.recipe}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}"
-        ) from None
     logger.info(
         "continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
         run_name,
@@ -275,11 +256,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         ),
         stays=lambda: stays_of(continued, run_name),
     )
-    from tasks.register import best_of_run
-
-    client = client_for(continued.tracking)
-    best = retrying("finding the run's best version", lambda: best_of_run(client, name, result.mlflow_run_id))
-    challenger = int(best) if best else None
+    challenger = continuation.challenger(continued.tracking, name, result.mlflow_run_id)
     decision, champion = (None, None)
     if challenger is not None:
         decision, champion = promote_challenger(
@@ -321,11 +298,9 @@ def _verdict_state(outcome: ContinueResult):
     the one-line reason, or *Promoted*; a `promotion:` tag says it in the runs list and its filters too."""
     from prefect.states import Completed
 
-    from flows.pipeline import tag_flow_run
-
     decision = outcome.decision
     word = "accepted" if decision.accepted else "rejected"
-    tag_flow_run(str(flow_run.id) if flow_run.id else None, [f"promotion:{word}"])
+    tag_flow_run(flow_run.id, [f"promotion:{word}"])
     if decision.accepted:
         message = f"challenger v{outcome.challenger} is the champion now: {decision.summary()}"
     else:
@@ -337,11 +312,9 @@ def _verdict_state(outcome: ContinueResult):
 
 
 def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: float) -> int:
-    """Tokens of one pass over the new data, grown by the replay share so the new data is seen once."""
-    data = recipe.data.model_copy(update={"sources": []})
-    raw = data.model_dump(mode="json") | {"sources": [source], "tokenizer": tokenizer}
+    """Tokens of one pass over the new data (prepared now, so a budget left empty is known), with the replay share."""
     from tasks.data.config import DataConfig
 
+    raw = recipe.data.model_dump(mode="json") | {"sources": [source], "tokenizer": tokenizer}
     prepared = prepare_sources.with_options(flow_run_name="prepare-new-data")(DataConfig.model_validate(raw))
-    new_tokens = prepared.sources[source["name"]].tokens
-    return int(new_tokens / (1.0 - replay_fraction))
+    return continuation.one_pass(prepared.sources[source["name"]].tokens, replay_fraction)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import sys
 from pathlib import Path
 
 from prefect import flow
@@ -13,60 +11,10 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel, Field
 
 from tasks import prepare as prepare_tasks
-from tasks.data import interrupt, mds, pipeline, remote_root
+from tasks.data import interrupt, remote_root
 from tasks.data.config import DataConfig
-from tasks.data.errors import DataError
-from tasks.data.results import PreparedData, PreparedSource, summarize
-from tasks.data.tokenizer import TokenizerInfo
+from tasks.data.results import PreparedData, RecipeData, summarize
 from trainers.config import StageConfig
-
-__all__ = [
-    "warm_up",
-    "prepare_data",
-    "prepare_recipe_data",
-    "prepare_sources",
-    "RecipeData",
-    "PreparedData",
-    "PreparedSource",
-    "TokenizerInfo",
-    "DataError",
-    "summarize",
-]
-
-
-@contextlib.contextmanager
-def _progress_bars(data: DataConfig, logger, every_s: float = 20.0):
-    """One tqdm bar per source (documents, with tokens alongside) on a terminal; otherwise a log line per
-    source at most every `every_s` seconds, so a long source never looks hung in a worker's log."""
-    import time
-
-    from tqdm.auto import tqdm
-
-    quiet = not sys.stderr.isatty()
-    bars = {}
-    for i, src in enumerate(data.sources):
-        bar = tqdm(desc=src.name, unit=" docs", position=i, leave=True, disable=quiet, dynamic_ncols=True)
-        state = {"docs": 0, "tokens": 0, "said": time.monotonic()}
-
-        def update(docs: int, tokens: int, bar=bar, state=state, name=src.name) -> None:
-            state["docs"] += docs
-            state["tokens"] += tokens
-            bar.set_postfix_str(f"{state['tokens']:,} tokens", refresh=False)
-            bar.update(docs)
-            if quiet and time.monotonic() - state["said"] >= every_s:
-                state["said"] = time.monotonic()
-                logger.info(
-                    "source %s: %s documents, %s tokens so far", name, f"{state['docs']:,}", f"{state['tokens']:,}"
-                )
-
-        bars[src.name] = bar
-        prepare_tasks.PROGRESS[src.name] = update
-    try:
-        yield
-    finally:
-        for name, bar in bars.items():
-            prepare_tasks.PROGRESS.pop(name, None)
-            bar.close()
 
 
 @flow(name="prepare-sources")
@@ -76,7 +24,7 @@ def prepare_sources(data: DataConfig) -> PreparedData:
     tok = prepare_tasks.prepare_tokenizer(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
     plans = prepare_tasks.plan_sources(data, tok)
     futures = {}
-    with _progress_bars(data, logger):
+    with prepare_tasks.progress_bars(data, logger):
         try:
             for plan in plans:
                 futures[plan.source.name] = prepare_tasks.prepare_source.submit(plan, data, tok)
@@ -114,7 +62,7 @@ def prepare_sources(data: DataConfig) -> PreparedData:
     return prepared
 
 
-def prepare_stage_lengths(
+def _prepare_stage_lengths(
     data: DataConfig, stages: list[StageConfig], tokenizer_dir: str, run_name: str = ""
 ) -> dict[int, dict[str, str]]:
     """Stages with their own seq_len read their sources packed at that length: prepare those too.
@@ -140,36 +88,13 @@ def prepare_stage_lengths(
     return streams
 
 
-def warm_up(data: DataConfig) -> None:
-    """Before Prefect starts: when there is data to prepare, start importing Streaming's writer
-    (~4 s: torch and transformers come with it) so that it overlaps Prefect's server start-up
-    instead of delaying the first source. A run with nothing to do imports nothing."""
-    if not pipeline.all_prepared(data):
-        mds.preload()
-
-
-class RecipeData(BaseModel):
-    """Everything a recipe's training reads: its sources at data.seq_len, plus any stage's own length."""
-
-    prepared: PreparedData = Field(..., description="The sources packed at data.seq_len, and the tokenizer.")
-    seq_len_streams: dict[int, dict[str, str]] = Field(
-        default_factory=dict, description="seq_len -> {source -> MDS directory} for stages with their own seq_len."
-    )
-
-    def summary(self) -> str:
-        lines = [summarize(self.prepared)]
-        for seq_len, streams in sorted(self.seq_len_streams.items()):
-            lines += [f"at seq_len {seq_len}:"] + [f"  {name}: {path}" for name, path in sorted(streams.items())]
-        return "\n".join(lines)
-
-
 def prepare_recipe_data(data: DataConfig, stages: list[StageConfig], run_name: str = "") -> RecipeData:
-    """Prepare what `pretrain_pipeline` trains on: the same call serves `tessera prepare` and `tessera run`.
+    """Prepare what `pretrain_pipeline` trains on: the body `prepare_data` and the training flows share.
 
     The subflow runs are named after `run_name` (`prepare-tiny`), not Prefect's random names.
     """
     prepared = prepare_sources.with_options(flow_run_name=f"prepare-{run_name}" if run_name else None)(data)
-    streams = prepare_stage_lengths(data, stages, prepared.tokenizer.hf_dir, run_name)
+    streams = _prepare_stage_lengths(data, stages, prepared.tokenizer.hf_dir, run_name)
     return RecipeData(prepared=prepared, seq_len_streams=streams)
 
 

@@ -1,8 +1,7 @@
 """What a continued run trains: its base version, its tokenizer, its budget, and its recipe derived from the base's.
 
 The continued_pretraining flow sequences these; they do the work (registry look-ups, the tokenizer download,
-the recipe arithmetic), so the flow holds none. The derived recipe is returned as the recipe's raw form: the
-flow validates it into a Recipe, which only flows/ composes.
+the budget and recipe arithmetic), so the flow holds none.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from pathlib import Path
 
 from tasks.consumed_files import Consumed
 from tasks.data.config import DataConfig
-from tasks.mlflow_run import client_for
+from tasks.mlflow_run import client_for, retrying
+from tasks.recipe import Recipe, RecipeError
 from tasks.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
 from trainers.remote import fetch_folder
@@ -22,6 +22,37 @@ from trainers.remote import fetch_folder
 
 class ContinuationError(ValueError):
     """A continued run that cannot start as asked; str() is one line naming the field."""
+
+
+def per_step(recipe: Recipe) -> int:
+    """Tokens one optimizer step of the recipe trains: a stage's budget and its rewarm are whole steps of it."""
+    return recipe.train.global_batch_size * recipe.data.seq_len
+
+
+def whole_steps(recipe: Recipe, tokens: int) -> int:
+    """`tokens` rounded down to whole steps, at least one step."""
+    step = per_step(recipe)
+    return max(step, tokens // step * step)
+
+
+def one_pass(new_tokens: int, replay_fraction: float) -> int:
+    """Tokens of one pass over `new_tokens` of new data, grown by the replay share so the new data is seen once."""
+    return int(new_tokens / (1.0 - replay_fraction))
+
+
+def new_source(run_name: str, files: list[Consumed], kind: str, separator: str | None, text_field: str) -> dict:
+    """The recipe source of the new files (raw), named after the run's digest so each week's data is its own."""
+    source = {"name": f"new-{run_name.rsplit('-', 1)[-1]}", "kind": kind, "paths": [f.path for f in files]}
+    return source | ({"separator": separator} if kind == "text" else {"text_field": text_field})
+
+
+def challenger(tracking: TrackingConfig, name: str, mlflow_run_id: str) -> int | None:
+    """The run's best registered version of `name`, the challenger the promotion rule weighs; None if it has none."""
+    from tasks.register import best_of_run
+
+    client = client_for(tracking)
+    best = retrying("finding the run's best version", lambda: best_of_run(client, name, mlflow_run_id))
+    return int(best) if best else None
 
 
 def base_version(tracking: TrackingConfig, base: str | None):
@@ -64,8 +95,17 @@ def run_name(prefix: str, version: str, files: list[Consumed]) -> str:
     return f"{prefix}-cpt-v{version}-{digest.hexdigest()[:8]}"
 
 
+def continued_recipe(recipe: Recipe, recipe_path: str, **how) -> Recipe:
+    """The continued run's Recipe (`derive`'s arguments in `how`), validated; one line when it is not a valid one."""
+    try:
+        return Recipe.model_validate(derive(recipe.model_dump(mode="json"), per_step(recipe), **how))
+    except ValueError as exc:  # pydantic's ValidationError: the inputs were inconsistent
+        raise RecipeError(f"{recipe_path}: the continued run's recipe is invalid: {str(exc).splitlines()[0]}") from None
+
+
 def derive(
     raw: dict,
+    step: int,
     *,
     base_uri: str,
     checkpoint: str | None,
@@ -79,16 +119,16 @@ def derive(
     min_gain: float | None,
     max_category_drop: float | None,
 ) -> dict:
-    """The continued run's recipe (raw): one stage over the new source plus replay of the last stage's mixture,
-    from the base's weights (and its checkpoint's optimizer state), LR rewarmed then decayed over `budget`."""
+    """The continued run's recipe (raw; `step` the tokens of one step): one stage over the new source plus
+    replay of the last stage's mixture, from the base's weights (and its checkpoint's optimizer state), LR rewarmed
+    then decayed over `budget`."""
     raw = json.loads(json.dumps(raw))  # a copy: the caller's recipe stays as it was
-    per_step = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
     raw["data"]["sources"].append(source)
     raw["data"]["tokenizer"] = tokenizer
     mixture = {source["name"]: 1.0 - replay_fraction}
     if replay_fraction > 0:
         mixture |= {name: replay_fraction * share for name, share in raw["train"]["stages"][-1]["mixture"].items()}
-    rewarm = int(budget * rewarm_fraction) // per_step * per_step
+    rewarm = int(budget * rewarm_fraction) // step * step
     raw["train"]["stages"] = [{"name": "continued", "tokens": budget, "mixture": mixture}]
     raw["train"]["optim"] |= {
         "lr": lr or raw["train"]["optim"]["lr"],

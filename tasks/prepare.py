@@ -7,6 +7,8 @@ source as cached, and a deleted output is simply written again.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,3 +87,46 @@ def publish_tokenizer(tok: TokenizerInfo, root: str) -> TokenizerInfo:
     if not remote_root.is_done(uri):
         remote_root.publish(tok.hf_dir, uri)
     return tok.model_copy(update={"uri": uri})
+
+
+@contextlib.contextmanager
+def progress_bars(data: DataConfig, logger, every_s: float = 20.0):
+    """One tqdm bar per source (documents, with tokens alongside) on a terminal; otherwise a log line per
+    source at most every `every_s` seconds, so a long source never looks hung in a worker's log."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    quiet = not sys.stderr.isatty()
+    bars = {}
+    for i, src in enumerate(data.sources):
+        bar = tqdm(desc=src.name, unit=" docs", position=i, leave=True, disable=quiet, dynamic_ncols=True)
+        state = {"docs": 0, "tokens": 0, "said": time.monotonic()}
+
+        def update(docs: int, tokens: int, bar=bar, state=state, name=src.name) -> None:
+            state["docs"] += docs
+            state["tokens"] += tokens
+            bar.set_postfix_str(f"{state['tokens']:,} tokens", refresh=False)
+            bar.update(docs)
+            if quiet and time.monotonic() - state["said"] >= every_s:
+                state["said"] = time.monotonic()
+                logger.info(
+                    "source %s: %s documents, %s tokens so far", name, f"{state['docs']:,}", f"{state['tokens']:,}"
+                )
+
+        bars[src.name] = bar
+        PROGRESS[src.name] = update
+    try:
+        yield
+    finally:
+        for name, bar in bars.items():
+            PROGRESS.pop(name, None)
+            bar.close()
+
+
+def warm_up(data: DataConfig) -> None:
+    """Before Prefect starts: when there is data to prepare, start importing Streaming's writer
+    (~4 s: torch and transformers come with it) so that it overlaps Prefect's server start-up
+    instead of delaying the first source. A run with nothing to do imports nothing."""
+    if not pipeline.all_prepared(data):
+        mds.preload()

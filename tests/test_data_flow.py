@@ -7,7 +7,8 @@ import shutil
 
 import numpy as np
 
-from flows.prepare import prepare_sources, summarize
+from flows.prepare import prepare_sources
+from tasks.data.results import summarize
 from tests.test_data_helpers import ROOT, SHAKESPEARE, expected_tokens, make_config, prov, read_tokens
 
 STORIES_VAL = ROOT / "data" / "corpora" / "tinystories" / "tinystories_val.txt"

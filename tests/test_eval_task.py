@@ -226,7 +226,7 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(
 def test_eval_command_scores_mlflow_uri_against_hf_dir(
     prefect_harness, mlflow_run, mlflow_uri, small_gauntlet, tmp_path, monkeypatch
 ):
-    from flows.evaluate import eval_command
+    from cli.models import eval_command
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -277,8 +277,8 @@ def test_eval_command_scores_mlflow_uri_against_hf_dir(
 
 
 def test_eval_command_raises_one_line_gauntlet_errors(prefect_harness, tmp_path):
+    from cli.models import eval_command
     from evaluation.errors import GauntletError
-    from flows.evaluate import eval_command
 
     with pytest.raises(
         GauntletError, match=r"nowhere\.pt: no such checkpoint file, HF model directory or MLflow model URI"

@@ -202,11 +202,11 @@ def test_a_dead_tracking_server_at_close_never_hides_the_training_error(prefect_
 
     from prefect import flow
 
-    import flows.pipeline as pipeline
+    import tasks.run_record as run_record
     from tasks.tracking_config import TrackingConfig
     from tasks.train import TrainingFatal
 
-    monkeypatch.setattr(pipeline, "CLOSE_AFTER_FAILURE_S", 3.0)
+    monkeypatch.setattr(run_record, "CLOSE_AFTER_FAILURE_S", 3.0)
     dead = TrackingConfig(tracking_uri="http://127.0.0.1:9", registered_model="m")
 
     @flow(name="close-after-failure")
@@ -215,7 +215,7 @@ def test_a_dead_tracking_server_at_close_never_hides_the_training_error(prefect_
         try:
             raise error
         except TrainingFatal as exc:
-            pipeline._close_after_failure(dead, "no-such-run", exc)
+            run_record.close_after_failure(dead, "no-such-run", exc)
             raise
 
     start = time.monotonic()

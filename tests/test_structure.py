@@ -148,6 +148,8 @@ def test_no_trainers_import_is_hidden_in_a_function():
 
 
 def test_the_checks_see_what_they_are_for():
+    helper = ast.parse("@flow(name='x')\ndef f(): pass\n@task\ndef g(): pass").body
+    assert _is_flow(helper[0]) and not _is_flow(helper[1])
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     edges = [("flows", "tasks"), ("infra", "trainers.contract"), ("cli.k8s", "infra.kube_api")]
@@ -157,6 +159,55 @@ def test_the_checks_see_what_they_are_for():
     assert not is_allowed("infra.local", "trainers.config", edges)
     assert not is_allowed("trainers.format.export", "trainers.model", edges)  # the format is its own unit
     assert is_allowed("cli.k8s", "infra.kube_api", edges) and not is_allowed("cli.up", "infra.kube_api", edges)
+
+
+# Public functions in flows/ that are not flows, each with why: the bodies several flows share.
+SHARED_FLOW_BODIES = {
+    "flows.pipeline.run_pipeline": "both training flows run it; as a subflow it would get a flow run of its own, "
+    "whose id the run slot and the MLflow run's tags would name instead of the flow the person started",
+    "flows.prepare.prepare_recipe_data": "prepare_data and run_pipeline prepare a recipe's data with it, inside their "
+    "own flow runs",
+}
+
+
+def _is_flow(node: ast.AST) -> bool:
+    return isinstance(node, ast.FunctionDef) and any(
+        (isinstance(d, ast.Name) and d.id == "flow")
+        or (isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "flow")
+        for d in node.decorator_list
+    )
+
+
+def flows_beyond_flows() -> list[str]:
+    """What a module of flows/ defines besides flows, their forms (pydantic models) and their own private glue: a
+    module without a flow, a public function that is no flow and no listed shared body, a class that is no model."""
+    import importlib
+
+    from pydantic import BaseModel
+
+    found = []
+    for path in sorted((ROOT / "flows").glob("*.py")):
+        name = module_name(path)
+        tree = ast.parse(path.read_text())
+        if path.stem == "__init__":
+            found += [f"{name}: defines {n.name}" for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+            continue
+        if not any(_is_flow(n) for n in tree.body):
+            found.append(f"{name}: defines no flow")
+        module = importlib.import_module(name)  # classes are checked as Python sees them: pydantic models or not
+        for node in tree.body:
+            qualified = f"{name}.{node.name}" if isinstance(node, ast.FunctionDef | ast.ClassDef) else ""
+            if isinstance(node, ast.FunctionDef) and not (
+                _is_flow(node) or node.name.startswith("_") or qualified in SHARED_FLOW_BODIES
+            ):
+                found.append(f"{qualified}: a public function that is not a flow")
+            elif isinstance(node, ast.ClassDef) and not issubclass(getattr(module, node.name), BaseModel):
+                found.append(f"{qualified}: a class that is not a flow's parameter or result model")
+    return found
+
+
+def test_flows_hold_only_flows_their_forms_and_the_bodies_they_share():
+    assert flows_beyond_flows() == []
 
 
 # What each trainers module other than layout.py removes; a checkpoint is none of it. layout.py removes

@@ -65,3 +65,18 @@ def summarize(prepared: PreparedData) -> str:
         f"eos {prepared.tokenizer.eos_token_id}, {prepared.tokenizer.dtype}), seq_len {prepared.seq_len}"
     )
     return "\n".join(lines)
+
+
+class RecipeData(BaseModel):
+    """Everything a recipe's training reads: its sources at data.seq_len, plus any stage's own length."""
+
+    prepared: PreparedData = Field(..., description="The sources packed at data.seq_len, and the tokenizer.")
+    seq_len_streams: dict[int, dict[str, str]] = Field(
+        default_factory=dict, description="seq_len -> {source -> MDS directory} for stages with their own seq_len."
+    )
+
+    def summary(self) -> str:
+        lines = [summarize(self.prepared)]
+        for seq_len, streams in sorted(self.seq_len_streams.items()):
+            lines += [f"at seq_len {seq_len}:"] + [f"  {name}: {path}" for name, path in sorted(streams.items())]
+        return "\n".join(lines)
