@@ -13,7 +13,7 @@ judges the heartbeats of this node's ranks (infra/watchdog.py), and on a hang wr
 every rank's Python stacks to the pod's log, kills the launcher's whole process group (SIGCONT
 first) and exits HUNG (79) with the line in the pod's termination message. The pod failure policy
 turns 79 into a group restart that does not count against maxRestarts (infra/manifests.py).
-Standard library only, as the rest of infra's side of the pod.
+The standard library, and pydantic for the watchdog's budgets (the image has it: the trainer validates with it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ when `now - beat` exceeds its phase's budget (`Budgets.of`): the learned step bu
 save or load, a first step, an eval batch. Then `stacks()` wakes every rank (SIGCONT: a stopped
 process must really die), has each write its Python stacks (py-spy where installed, else
 faulthandler on SIGUSR1), and the caller kills the whole group, which the flow relaunches from the
-last checkpoint as a preemption. Standard library only.
+last checkpoint as a preemption. The standard library, and pydantic for the budgets' model.
 """
 
 from __future__ import annotations
@@ -22,43 +22,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainers.contract import DIST_TIMEOUT_ENV, DIST_TIMEOUT_S, HEARTBEAT_DIR_ENV, PHASES, WATCHDOG_ENV
+from trainers.contract import (
+    DIST_TIMEOUT_ENV,
+    DIST_TIMEOUT_S,
+    HEARTBEAT_DIR_ENV,
+    PHASES,
+    WATCHDOG_ENV,
+    WatchdogConfig,
+)
 
 STACKS_WAIT_S = 3.0  # for every rank's faulthandler to write its stacks
 
 
-@dataclass(frozen=True)
-class Budgets:
-    """trainers.config.WatchdogConfig's fields, as the flow hands them to the launcher (TESSERA_WATCHDOG)."""
-
-    enabled: bool = True
-    startup_s: float = 1800
-    plan_s: float = 900
-    download_s: float = 600
-    load_s: float = 600
-    first_step_s: float = 900
-    compile_s: float = 1800
-    data_s: float = 600
-    step_floor_s: float = 60
-    step_factor: float = 10
-    eval_s: float = 900
-    save_s: float = 600
-    upload_s: float = 600
-    close_s: float = 900
-    bytes_per_s: float = 50e6
-    size_factor: float = 3
-    poll_s: float = 2
-    no_progress_launches: int = 3
-    slow_rank_factor: float = 1.5
-    slow_rank_every_steps: int = 50
+class Budgets(WatchdogConfig):
+    """The recipe's `train.watchdog` section (trainers.contract.WatchdogConfig), as the launcher reads it from
+    TESSERA_WATCHDOG, with how a phase's budget is reckoned from it."""
 
     @classmethod
     def from_json(cls, text: str | None) -> Budgets | None:
         """The budgets a launch's environment carries; None when it asks for no watchdog."""
         if not text:
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        budgets = cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        budgets = cls.model_validate({k: v for k, v in json.loads(text).items() if k in cls.model_fields})
         return budgets if budgets.enabled else None
 
     def of(self, beat: dict, collective_s: float | None = None) -> tuple[float, str]:

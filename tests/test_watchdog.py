@@ -69,7 +69,7 @@ def test_budgets_come_from_the_work_within_a_floor_a_ceiling_and_the_collective_
     # the recipe's train.watchdog reaches the launcher as JSON with the same fields
     assert Budgets.from_json(json.dumps(WatchdogConfig(step_floor_s=5).model_dump())) == Budgets(step_floor_s=5)
     assert Budgets.from_json(json.dumps(WatchdogConfig(enabled=False).model_dump())) is None
-    assert {f for f in WatchdogConfig.model_fields} == set(Budgets.__dataclass_fields__)
+    assert issubclass(Budgets, WatchdogConfig)  # one definition: the launcher reads the recipe's own section
 
 
 def test_the_stopped_rank_is_blamed_and_a_silent_start_is_seen(tmp_path):
