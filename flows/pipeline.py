@@ -58,8 +58,8 @@ from tasks.train import (
     deliver_metrics,
     make_job,
     report_goodput,
+    stage_task,
     stop_launched_jobs,
-    train_stage,
     write_job,
 )
 
@@ -229,7 +229,7 @@ def _train_and_watch(
     save_folder = Path(job.save_folder)
     try:
         for k, stage in enumerate(recipe.train.stages):
-            training = train_stage.with_options(retries=recipe.compute.max_restarts).submit(
+            training = stage_task(recipe.compute).submit(
                 str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder, recipe_path
             )
             while not wait([training], timeout=POLL_SECONDS).done:

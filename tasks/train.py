@@ -153,8 +153,8 @@ def _run_once(job, relay: ProgressRelay) -> int:
         relay.close()
 
 
+# Prefect retries: the recipe's compute.max_restarts, through stage_task (a task's retries are fixed when it is built).
 @task(
-    retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_unless(TrainingFatal, PreemptionBudgetSpent, RestartsSpent),  # NoProgress: Fatal
     cache_policy=NO_CACHE,
@@ -405,6 +405,12 @@ def _withdraw_damaged(stage_name: str, damage: dict, recipe_path: str) -> str:
         f"stage {stage_name}: prepared data of source {damage['source']} is damaged: {shard} in {folder} "
         f"{damage['why']}; {marker}, so {prepare} prepares it again (and a rerun of this run does, before it resumes)"
     )
+
+
+def stage_task(compute: ComputeConfig):
+    """`train_stage` with the recipe's `compute.max_restarts` as its Prefect retries: failures a relaunch may get
+    past (a crash, a lost node over the preemption budget), each from the newest checkpoint."""
+    return train_stage.with_options(retries=compute.max_restarts)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="goodput-{stage_name}")

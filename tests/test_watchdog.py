@@ -135,14 +135,15 @@ def _run_stage(job_path: Path, ranks: int = 2):
     from prefect.context import get_run_context
 
     from infra.config import ComputeConfig
-    from tasks.train import train_stage
+    from tasks.train import stage_task
 
     ids = []
 
     @flow(name="one-stage")
     def one_stage():
         ids.append(get_run_context().flow_run.id)
-        return train_stage(str(job_path), 0, "s", ComputeConfig(procs_per_node=ranks), str(job_path.parent / "logs"))
+        compute = ComputeConfig(procs_per_node=ranks)
+        return stage_task(compute)(str(job_path), 0, "s", compute, str(job_path.parent / "logs"))
 
     try:
         outcome = one_stage()
