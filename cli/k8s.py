@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tasks.runtime import EXIT_FAILED
+from trainers.contract import EXIT_FAILED
 
 
 def _kubernetes_recipe(path: str):

@@ -12,14 +12,12 @@ import sys
 from cli.k8s import cmd_k8s_render, cmd_k8s_status
 from cli.models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
 from tasks.runtime import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    bad_input_types,
     install_log_filter,
     quiet_environment,
     usable_data_root,
     work_prefect_home,
 )
+from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, OneLineError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -291,19 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tessera: error: {ended[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT if ended[1] else EXIT_FAILED
-    except bad_input_types() as exc:
-        from tasks.mlflow_run import TrackingUnavailable
-        from tasks.promote import ChampionKeptMoving
-        from tasks.promote_lock import PromotionBusy
-        from tasks.train import TrainingFailed, TrainingFatal
-
+    except OneLineError as exc:  # bad input (exit 2), or a failure a rerun may get past (exit 1): the class says
         print(f"tessera: error: {exc}", file=sys.stderr)
-        # A crash that outlived its retries, a tracking server that went away mid-run, a promotion lock held
-        # elsewhere is not bad input: a rerun resumes from the last checkpoint, or promotes then.
-        transient = isinstance(exc, TrackingUnavailable | PromotionBusy | ChampionKeptMoving) or (
-            isinstance(exc, TrainingFailed) and not isinstance(exc, TrainingFatal)
-        )
-        return EXIT_FAILED if transient else EXIT_BAD_INPUT
+        return exc.exit_code
     except Exception as exc:
         # A full disk anywhere under the work dir (prepared data, Prefect's results, a registration's copy):
         # one line naming where, not a traceback per process that noticed.

@@ -35,7 +35,8 @@ from cli.up_stack import Service, UpError, _become_subreaper, _Stack
 from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri
 from tasks.recipe import Recipe, load_recipe
 from tasks.run_slot import ensure_names_lock
-from tasks.runtime import EXIT_BAD_INPUT, EXIT_FAILED, PREFECT_SERVER_OUTAGE
+from tasks.runtime import PREFECT_SERVER_OUTAGE
+from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED
 
 LOCAL_POOL = "tessera-local"
 STATE_FILE = "state.json"

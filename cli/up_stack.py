@@ -26,7 +26,7 @@ import psutil
 
 from cli.deploy import PROJECT_ROOT
 from cli.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
-from tasks.runtime import EXIT_FAILED
+from trainers.contract import EXIT_FAILED
 
 STARTUP_TIMEOUT_S = 240.0  # a first start migrates a fresh database; 2 cores shared with training are slow
 FLOW_RUN_GRACE_S = 15.0  # a flow run cancels its trainer (10 s grace) and reports its state

@@ -17,10 +17,11 @@ from tasks.mlflow_run import client_for, retrying
 from tasks.recipe import Recipe, RecipeError
 from tasks.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
+from trainers.contract import OneLineError
 from trainers.remote import fetch_folder
 
 
-class ContinuationError(ValueError):
+class ContinuationError(OneLineError, ValueError):
     """A continued run that cannot start as asked; str() is one line naming the field."""
 
 

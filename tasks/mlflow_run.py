@@ -22,6 +22,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking_config import TrackingConfig
+from trainers.contract import EXIT_FAILED, OneLineError
 from trainers.disk import no_space
 
 RUN_NAME_TAG = "tessera.run_name"
@@ -38,12 +39,14 @@ T = TypeVar("T")
 log = logging.getLogger("tessera.tracking")
 
 
-class TrackingError(RuntimeError):
+class TrackingError(OneLineError, RuntimeError):
     """The tracking server or store cannot be used; str() is one line naming the URI."""
 
 
-class TrackingUnavailable(RuntimeError):
+class TrackingUnavailable(OneLineError, RuntimeError):
     """The tracking server stayed unreachable mid-run for longer than the retry budget."""
+
+    exit_code = EXIT_FAILED
 
 
 # `tessera up` tells its worker the MLflow store it serves: a run tracking into another one says so in its log.

@@ -36,6 +36,7 @@ from tasks.promote_rule import Decision, decide
 from tasks.score import score_in_pod, score_model
 from tasks.tracking_config import TrackingConfig
 from tasks.version_record import append_decision, now
+from trainers.contract import EXIT_FAILED, OneLineError
 
 log = logging.getLogger("tessera.promote")
 
@@ -208,8 +209,10 @@ class Contest:
     challenger_report: GauntletReport
 
 
-class ChampionKeptMoving(RuntimeError):
+class ChampionKeptMoving(OneLineError, RuntimeError):
     """The champion changed during every scoring round; str() is one line."""
+
+    exit_code = EXIT_FAILED
 
 
 # Scoring takes minutes to hours; a champion moved during it is scored and decided against again. This many

@@ -18,13 +18,16 @@ import contextlib
 from collections.abc import Iterator
 
 from tasks.run_slot import ensure_limit
+from trainers.contract import EXIT_FAILED, OneLineError
 
 LEASE_S = 60.0
 WAIT_S = 300.0  # a decision records in seconds: a lock held this long is held by something gone wrong
 
 
-class PromotionBusy(RuntimeError):
+class PromotionBusy(OneLineError, RuntimeError):
     """The lock stayed held; str() is one line naming the limit and how to free it."""
+
+    exit_code = EXIT_FAILED  # a promotion that waited its turn out: a rerun promotes then
 
 
 def lock_name(model: str) -> str:

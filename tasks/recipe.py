@@ -22,9 +22,10 @@ from tasks.data.config import DataConfig
 from tasks.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
 from trainers.config import NAME_RESERVE, ModelConfig, TrainConfig, batch_alignment_error
+from trainers.contract import OneLineError
 
 
-class RecipeError(ValueError):
+class RecipeError(OneLineError, ValueError):
     """A recipe that cannot be used; str() is one line naming the file, line and field."""
 
 

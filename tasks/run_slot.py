@@ -33,6 +33,8 @@ from typing import Literal
 
 from prefect.logging import get_run_logger
 
+from trainers.contract import OneLineError
+
 # Short: after a SIGKILLed flow, a rerun should not wait long for the slot to be freed. The
 # renewal runs at 3/4 of it, and the server's repossessor frees expired ones every 15 s.
 LEASE_S = 60.0
@@ -44,7 +46,7 @@ WAIT_ROUND_S = 30.0  # with if_running=wait: how often a waiter checks for an or
 LIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED")
 
 
-class RunBusy(RuntimeError):
+class RunBusy(OneLineError, RuntimeError):
     """Another flow run holds this run name; str() is one line naming it."""
 
 

@@ -10,10 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-# The `tessera` commands' exit codes: 2 is bad input the message names (a recipe, a form value, a refused
-# run), 1 a failure a rerun may get past. (A trainer's or evaluation pod's own codes are trainers/contract.py's.)
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+from trainers.contract import OneLineError
 
 
 def quiet_environment() -> None:
@@ -42,34 +39,6 @@ def quiet_environment() -> None:
 PREFECT_SERVER_OUTAGE = ("PREFECT_CLIENT_MAX_RETRIES", "8")
 
 
-def bad_input_types() -> tuple[type[BaseException], ...]:
-    """Errors whose one-line message is the whole story: bad recipes, bad data, an unusable server."""
-    from evaluation.errors import GauntletError
-    from tasks.continuation import ContinuationError
-    from tasks.data.errors import DataError
-    from tasks.mlflow_run import TrackingError, TrackingUnavailable
-    from tasks.promote import ChampionKeptMoving
-    from tasks.promote_lock import PromotionBusy
-    from tasks.recipe import RecipeError
-    from tasks.run_slot import RunBusy
-    from tasks.train import TrainingFailed
-
-    # TrainingFailed, PromotionBusy and ChampionKeptMoving are here for their one-line messages; they are not bad
-    # input (cli/main.py exits 1 for them)
-    return (
-        RecipeError,
-        DataError,
-        TrackingError,
-        TrackingUnavailable,
-        TrainingFailed,
-        GauntletError,
-        RunBusy,
-        ContinuationError,
-        PromotionBusy,
-        ChampionKeptMoving,
-    )
-
-
 # What Prefect's engine logs, at ERROR, when a flow raises: after bad input it repeats, in red, what the run's one-line
 # Failed message already says.
 ENGINE_EXITED = "Engine execution exited with unexpected exception"
@@ -79,7 +48,7 @@ class _NoTracebackForBadInput(logging.Filter):
     """Prefect logs every task failure with its traceback; for bad input the one-line message is the story."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], bad_input_types()):
+        if record.exc_info and isinstance(record.exc_info[1], OneLineError):
             if record.msg == ENGINE_EXITED:
                 return False
             record.exc_info, record.exc_text = None, None

@@ -38,7 +38,7 @@ from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
-from trainers.contract import HOLDER_ENV
+from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, HOLDER_ENV, OneLineError
 from trainers.exit_codes import FATAL, INTERRUPTED
 from trainers.format.atomic import atomic_write
 from trainers.progress import parse_damage
@@ -48,12 +48,16 @@ POLL_SECONDS = 1.0
 PREEMPTION_DELAY_S = 2.0  # let the dead job's ports and shared memory go before the relaunch takes them
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(OneLineError, RuntimeError):
     """A training job exited non-zero; relaunching it resumes from its last checkpoint."""
+
+    exit_code = EXIT_FAILED
 
 
 class TrainingFatal(TrainingFailed):
     """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class DiskFull(TrainingFatal):

@@ -11,6 +11,21 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+# The `tessera` command's exit codes: 2 is bad input the message names (a recipe, a form value, a refused run), 1 a
+# failure a rerun may get past. (A trainer's and an evaluation pod's own codes are below.)
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class OneLineError(Exception):
+    """An error whose str() is one line that says it all: the `tessera` command and a flow run's log print it without
+    a traceback, and the command exits `exit_code`: EXIT_BAD_INPUT for bad input the line names (the default),
+    EXIT_FAILED for a failure a rerun may get past. It lives here, the one module every package may import, so that
+    the gauntlet's errors (evaluation/ imports nothing of tasks/) share it."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
 # Where a node caches streamed data and fetched tokenizers; on Kubernetes, the pod's cache volume.
 CACHE_DIR_ENV = "TESSERA_CACHE_DIR"
 # Where compiled kernels are kept across launches (trainers/compile.py), over every other choice of folder.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from trainers.contract import OneLineError
 
-class DataError(ValueError):
+
+class DataError(OneLineError, ValueError):
     """Bad input data or configuration; str() is one line naming the file and line or field.
 
     The CLI prints `str(exc)` and exits 2, so the message must stand on its own.
