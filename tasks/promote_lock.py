@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from tasks.run_slot import ensure_limit
+from tasks.run_slot import ensure_limit, slot_timeout
 from trainers.contract import EXIT_FAILED, OneLineError
 
 LEASE_S = 60.0
@@ -37,7 +37,6 @@ def lock_name(model: str) -> str:
 @contextlib.contextmanager
 def promotion_lock(model: str, who: str) -> Iterator[None]:
     """Hold `model`'s promotion lock for the body; `who` names the waiter in the error when it cannot."""
-    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
     from prefect.concurrency.sync import concurrency
 
     name = lock_name(model)
@@ -54,7 +53,7 @@ def promotion_lock(model: str, who: str) -> Iterator[None]:
                     raise_on_lease_renewal_failure=False,
                 )
             )
-        except AcquireConcurrencySlotTimeoutError:
+        except slot_timeout():
             raise PromotionBusy(
                 f"{who}: {model}'s promotion lock (concurrency limit {name}) stayed held for {WAIT_S:.0f} s; if no "
                 f"promotion is running, free it with `prefect gcl update {name} --active-slots 0`"

@@ -247,11 +247,19 @@ def _tag_holder(run_name: str, flow_run_id: str | None) -> None:
         client.update_flow_run(flow_run_id, tags=sorted(set(current) | {holder_tag(run_name), process_tag()}))
 
 
+def slot_timeout() -> type[TimeoutError]:
+    """What Prefect's `concurrency()` raises when no slot freed up in time. No public module of Prefect 3 exports
+    it (it is prefect.concurrency._asyncio's), and the builtin TimeoutError it extends would also catch a stalled
+    server's asyncio timeout, which is no busy run: so this is tessera's one import of a private Prefect module."""
+    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
+
+    return AcquireConcurrencySlotTimeoutError
+
+
 @contextlib.contextmanager
 def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_id: str | None) -> Iterator[None]:
     """Hold run `run_name`'s slot for the body; refuse at once (RunBusy) or wait when another run holds it."""
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
     from prefect.concurrency.sync import concurrency
 
     name = limit_name(run_name)
@@ -278,7 +286,7 @@ def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_i
             try:
                 stack.enter_context(slot(REFUSE_AFTER_S if if_running == "refuse" else WAIT_ROUND_S))
                 break
-            except AcquireConcurrencySlotTimeoutError:
+            except slot_timeout():
                 if reclaim_orphaned(run_name, flow_run_id):
                     continue
                 if if_running == "wait":

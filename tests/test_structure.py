@@ -210,6 +210,33 @@ def test_flows_hold_only_flows_their_forms_and_the_bodies_they_share():
     assert flows_beyond_flows() == []
 
 
+# Product modules that import a private module of Prefect (a `_name` in its path), each with why there is no public
+# way; anywhere else such an import is refused.
+PRIVATE_PREFECT = {
+    "tasks.run_slot": "AcquireConcurrencySlotTimeoutError, the error of a concurrency slot not freed in time: no "
+    "public module exports it, and the TimeoutError it extends is also a stalled server's (slot_timeout)",
+    "cli.deploy": "PrefectYamlModel, the schema `prefect deploy` validates prefect.yaml with, so that tessera deploy "
+    "refuses what Prefect would, in one line",
+}
+
+
+def private_prefect_imports() -> dict[str, set[str]]:
+    """Product module -> the private Prefect modules it imports."""
+    found: dict[str, set[str]] = {}
+    for name, path in product_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            modules += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for module in modules:
+                if module.split(".")[0] == "prefect" and any(p.startswith("_") for p in module.split(".")):
+                    found.setdefault(name, set()).add(module)
+    return found
+
+
+def test_private_prefect_modules_are_imported_only_where_listed_with_why():
+    assert set(private_prefect_imports()) == set(PRIVATE_PREFECT)
+
+
 # What each trainers module other than layout.py removes; a checkpoint is none of it. layout.py removes
 # local checkpoints (discard, retire, withdraw) and remote.py's `retire` remote ones (through the object
 # store's delete_object, which this check does not count: no other module holds a store).
