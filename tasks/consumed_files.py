@@ -23,7 +23,9 @@ from tasks.data import storage
 from tasks.data.errors import DataError
 from tasks.tracking_config import TrackingConfig
 
-LEDGER_ARTIFACT = "ledger/consumed.json"  # the folder; records are consumed-<flow run id>.json
+# the folder (named `ledger` before the word meant only the goodput ledger: kept, the registry's history is there);
+# records are consumed-<flow run id>.json
+CONSUMED_ARTIFACT = "ledger/consumed.json"
 MODEL_TAG = "tessera.continues_model"
 
 
@@ -84,8 +86,8 @@ def _client(tracking: TrackingConfig):
 
 
 def _records(client, run_id: str) -> list[str]:
-    """The run's ledger records: consumed-*.json (and consumed.json, written before records were per flow run)."""
-    folder = str(Path(LEDGER_ARTIFACT).parent)
+    """Its consumed-files records: consumed-*.json (and consumed.json, written before records were per flow run)."""
+    folder = str(Path(CONSUMED_ARTIFACT).parent)
     return sorted(
         f.path
         for f in client.list_artifacts(run_id, folder)
@@ -112,7 +114,7 @@ def consumed(tracking: TrackingConfig, registered_model: str) -> tuple[list[Cons
         if records and latest is None:
             latest = run.data.tags.get("tessera.run_name", run.info.run_name)
         for record in records:
-            with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="tessera-consumed-") as tmp:
                 local = client.download_artifacts(run.info.run_id, record, tmp)
                 out += [Consumed.model_validate(entry) for entry in json.loads(Path(local).read_text())]
     return out, latest
@@ -133,9 +135,9 @@ def record(tracking: TrackingConfig, run_id: str, files: list[Consumed], flow_ru
 
     client = _client(tracking)
     name = f"consumed-{flow_run_id or uuid.uuid4().hex}.json"
-    folder = str(Path(LEDGER_ARTIFACT).parent)
-    with tempfile.TemporaryDirectory(prefix="tessera-ledger-") as tmp:
+    folder = str(Path(CONSUMED_ARTIFACT).parent)
+    with tempfile.TemporaryDirectory(prefix="tessera-consumed-") as tmp:
         path = Path(tmp) / name
         path.write_text(json.dumps([f.model_dump() for f in files], indent=1))
-        retrying("logging the data ledger", lambda: client.log_artifact(run_id, str(path), folder))
+        retrying("logging the consumed-files record", lambda: client.log_artifact(run_id, str(path), folder))
     return f"{folder}/{name}"

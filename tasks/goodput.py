@@ -1,9 +1,9 @@
 """The goodput ledger: where a run's wall time went, from what the flow and the trainer already record.
 
 Two sources, no new instrumentation:
-- the flow's launch ledger (tasks/launch_ledger.py): each launch's start, end, how it ended, and a hang's
+- the flow's launch records (tasks/launch_records.py): each launch's start, end, how it ended, and a hang's
   silence before the watchdog killed it;
-- each launch's time records (trainers/time_ledger.py): rank 0's seconds per heartbeat phase, written
+- each launch's time records (trainers/time_records.py): rank 0's seconds per heartbeat phase, written
   at every checkpoint and at the stage's end, so they count only work a checkpoint kept.
 
 The wall a run is charged is its launches' time plus the gaps the system caused between them: the relaunch
@@ -32,8 +32,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks import launch_ledger
-from trainers import time_ledger
+from tasks import launch_records
+from trainers import time_records
 
 BUCKETS = ("productive", "startup", "compile", "load", "save", "eval", "lost", "hung", "pending", "idle")
 WORDS = {
@@ -135,9 +135,9 @@ def _launch_buckets(launch: dict, records: list[dict]) -> dict[str, float]:
 
 
 def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Goodput:
-    """The run's goodput so far, from its launch ledger and its time records."""
-    launches = sorted(launch_ledger.read(Path(run_dir)), key=lambda r: r["started"])
-    records = time_ledger.read(save_folder, run_name)
+    """The run's goodput so far, from its launch records and its time records."""
+    launches = sorted(launch_records.read(Path(run_dir)), key=lambda r: r["started"])
+    records = time_records.read(save_folder, run_name)
     result = Goodput()
     if not launches:
         return result
@@ -205,10 +205,10 @@ def for_job(run_dir: str | Path, job) -> Goodput:
     import tempfile
 
     save_folder = Path(job.save_folder)
-    if job.remote_folder and not time_ledger.path(save_folder, job.run_name).exists():
+    if job.remote_folder and not time_records.path(save_folder, job.run_name).exists():
         from trainers.remote import RemoteFolder
 
-        name = time_ledger.path(save_folder, job.run_name).name
+        name = time_records.path(save_folder, job.run_name).name
         with tempfile.TemporaryDirectory(prefix="tessera-goodput-") as tmp:
             try:
                 (Path(tmp) / name).write_text(RemoteFolder(job.remote_folder)._get_text(name))

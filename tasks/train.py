@@ -33,7 +33,7 @@ from infra import allow_launches, backend_for, stopping
 from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
 from infra.watchdog import budgets_env
-from tasks import launch_ledger
+from tasks import launch_records
 from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
@@ -270,12 +270,12 @@ def train_stage(
 
 
 def _record_launch(logger, run_dir: Path, record: dict) -> None:
-    """Append the launch to the run's ledger. A ledger the disk cannot take is said and passed over: the launch's
-    outcome decides what happens next, and a full disk is classified from the save folder right after."""
+    """Append the launch to the run's launch records. A record the disk cannot take is said and passed over: the
+    launch's outcome decides what happens next, and a full disk is classified from the save folder right after."""
     try:
-        launch_ledger.append(run_dir, record)
+        launch_records.append(run_dir, record)
     except OSError as exc:
-        logger.warning("could not record the launch in %s (%s)", launch_ledger.path(run_dir), exc)
+        logger.warning("could not record the launch in %s (%s)", launch_records.path(run_dir), exc)
 
 
 def _stop_if_fatal(job, kind: str, stage_name: str, job_path: str, recipe_path: str, compute, logger) -> None:
@@ -294,8 +294,8 @@ def _stop_without_progress(run_dir: Path, stage_name: str, spec: TrainJob, last:
     """K launches of the stage in a row (its Prefect retries included) that ended without a new checkpoint: stop as
     fatal, instead of spending the rest of the preemption budget on a run that is going nowhere."""
     limit = spec.train.watchdog.no_progress_launches
-    records = launch_ledger.read(run_dir)
-    streak = launch_ledger.no_progress_streak(records, stage_name)
+    records = launch_records.read(run_dir)
+    streak = launch_records.no_progress_streak(records, stage_name)
     if streak >= limit:
         newest = records[-1].get("tokens_after") or 0
         raise NoProgress(

@@ -166,7 +166,7 @@ def test_compiled_training_matches_eager_and_compiling_is_its_own_phase(eager, c
     """The tiny model compiled trains as it does eager (losses within 1e-5, see above); the heartbeat's `compile`
     phase holds the compile, and the goodput ledger counts it apart from startup and productive steps."""
     from tasks.goodput import _launch_buckets
-    from trainers import time_ledger
+    from trainers import time_records
 
     job, root, proc = compiled
     mine, theirs = _losses(root), _losses(Path(eager.save_folder).parent)
@@ -176,11 +176,11 @@ def test_compiled_training_matches_eager_and_compiling_is_its_own_phase(eager, c
     assert "compiling 2 decoder blocks (inductor)" in proc.stderr
     assert "first step: compiled for" in proc.stderr
 
-    records = time_ledger.read(job.save_folder, job.run_name)
+    records = time_records.read(job.save_folder, job.run_name)
     assert records and records[-1]["final"]
     phases = records[-1]["phases"]
     assert phases["compile"] > 0 and phases["step"] > 0
-    eager_phases = time_ledger.read(eager.save_folder, eager.run_name)[-1]["phases"]
+    eager_phases = time_records.read(eager.save_folder, eager.run_name)[-1]["phases"]
     assert eager_phases["compile"] == 0
     launch = {"started": records[-1]["process_start"], "ended": records[-1]["at"], "kind": "ok"}
     buckets = _launch_buckets(launch, records)

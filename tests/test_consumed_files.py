@@ -1,4 +1,4 @@
-"""The consumed-files ledger is append-only: one record per flow run, consumed = the union of every record."""
+"""The consumed-files record is append-only: one record per flow run, consumed = the union of every record."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ def _run(tmp_path):
     """A run `r` of the tiny recipe with two launches: one killed 40 s after its last checkpoint, one that ended."""
     import yaml
 
-    from tasks import launch_ledger
+    from tasks import launch_records
     from tests.support.training import tiny_job, write_job
 
     recipe = tiny_recipe(tmp_path)
@@ -29,12 +29,12 @@ def _run(tmp_path):
     run_dir.mkdir(parents=True)
     job = tiny_job(run_dir, {"a": "unused"}, [StageConfig(name="s", tokens=4096, mixture={"a": 1.0})], run_name="r")
     write_job(job, run_dir / "job.json")
-    launch_ledger.append(
+    launch_records.append(
         run_dir,
         {"stage": "s", "started": T0, "ended": T0 + 100, "code": -9, "kind": "preempted", "hung": None,
          "tokens_before": 0, "tokens_after": 2048, "stopped": False, "pending_s": 0.0, "flow_run": "f1"},
     )  # fmt: skip
-    launch_ledger.append(
+    launch_records.append(
         run_dir,
         {"stage": "s", "started": T0 + 105, "ended": T0 + 200, "code": 0, "kind": "ok", "hung": None,
          "tokens_before": 2048, "tokens_after": 4096, "stopped": False, "pending_s": 0.0, "flow_run": "f1"},
@@ -80,13 +80,13 @@ def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost
 def test_goodput_measures_the_run_not_the_calendar(tmp_path):
     """A rerun a day later (another flow run) that resumes, then a rerun with nothing to do: the day between them
     and the no-op launch are left out, and said; the figure is the one of the same launches back to back."""
-    from tasks import launch_ledger
+    from tasks import launch_records
     from tasks.goodput import compute
 
     _, run_dir, job = _run(tmp_path)
     before = compute(run_dir, job.save_folder, "r")
     day = 86_400.0
-    launch_ledger.append(
+    launch_records.append(
         run_dir,
         {"stage": "s", "started": T0 + 200 + day, "ended": T0 + 230 + day, "code": 0, "kind": "ok", "hung": None,
          "tokens_before": 4096, "tokens_after": 4096, "stopped": False, "pending_s": 0.0, "flow_run": "f2"},
@@ -97,11 +97,11 @@ def test_goodput_measures_the_run_not_the_calendar(tmp_path):
     assert "Left out of the wall: launches that found their stage already complete: 30.0 s." in after.markdown("r")
 
     # the second launch of the run, had it been started by a person a day later, in its own flow run
-    records = launch_ledger.read(run_dir)[:2]
+    records = launch_records.read(run_dir)[:2]
     records[1] |= {"flow_run": "f3", "started": records[1]["started"] + day, "ended": records[1]["ended"] + day}
-    launch_ledger.path(run_dir).unlink()
+    launch_records.path(run_dir).unlink()
     for record in records:
-        launch_ledger.append(run_dir, record)
+        launch_records.append(run_dir, record)
     (run_dir / "ckpt" / "r-time.jsonl").write_text(
         "".join(
             json.dumps(r | ({"process_start": r["process_start"] + day, "at": r["at"] + day} if r["pid"] == 2 else {}))

@@ -184,12 +184,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert isinstance(text[0], str)
 
     # a rerun resumes everything: nothing is trained or registered twice, and no trainer is launched to learn that
-    from tasks import launch_ledger
+    from tasks import launch_records
 
     run_dir = tmp_path / "work" / "runs" / "tiny"
-    launches = len(launch_ledger.read(run_dir))
+    launches = len(launch_records.read(run_dir))
     again = pretrain_pipeline(PipelineParams(recipe=recipe))
     assert [r.tokens for r in again.registrations] == [16384, 32768, 49152]
     assert not any(r.created for r in again.registrations)
-    assert len(launch_ledger.read(run_dir)) == launches
+    assert len(launch_records.read(run_dir)) == launches
     assert len(client.search_model_versions("name = 'tessera-tiny'")) == 3

@@ -103,44 +103,44 @@ def test_a_write_that_fails_midway_keeps_the_old_content_and_no_temp_file(tmp_pa
     assert _temps(tmp_path) == []
 
 
-# ---------------------------------------------------------------- stage ledger
+# ---------------------------------------------------------------- trained-stages record
 
 
 @pytest.mark.parametrize("how", CUTS)
-def test_a_cut_short_ledger_of_a_fresh_run_is_rewritten_as_a_clean_launch_would(tmp_path, how):
+def test_a_cut_short_stages_record_of_a_fresh_run_is_rewritten_as_a_clean_launch_would(tmp_path, how):
     from trainers.layout import RunFolder
     from trainers.plan import plan_start
 
     job = _job(tmp_path)
     plan_start(job, 0)
-    ledger = RunFolder.of(job).ledger
-    clean = ledger.read_bytes()
-    _cut(ledger, how)
+    stages = RunFolder.of(job).stages_record
+    clean = stages.read_bytes()
+    _cut(stages, how)
     assert plan_start(job, 0).kind == "fresh"  # no FatalError
-    assert ledger.read_bytes() == clean
+    assert stages.read_bytes() == clean
     assert _temps(Path(job.save_folder)) == []
 
 
 @pytest.mark.parametrize("how", CUTS)
-def test_a_cut_short_ledger_is_rederived_from_the_checkpoints_and_the_stage_launched(tmp_path, how):
+def test_a_cut_short_stages_record_is_rederived_from_the_checkpoints_and_the_stage_launched(tmp_path, how):
     from trainers.layout import RunFolder
     from trainers.plan import plan_start
 
     job = _job(tmp_path)
     _stage0_checkpoints(job)
     plan_start(job, 0)  # stage 0 was trained (its last launch found it done)
-    first = plan_start(job, 1)  # then stage 1 was entered: the ledger lists both
-    ledger = RunFolder.of(job).ledger
-    clean = ledger.read_bytes()
+    first = plan_start(job, 1)  # then stage 1 was entered: the record lists both
+    stages = RunFolder.of(job).stages_record
+    clean = stages.read_bytes()
     assert [s["name"] for s in json.loads(clean)] == ["warm", "mix"]
 
-    _cut(ledger, how)
+    _cut(stages, how)
     again = plan_start(job, 1)
     assert (again.kind, again.tokens) == (first.kind, first.tokens) == ("enter", 2560)
-    assert ledger.read_bytes() == clean
+    assert stages.read_bytes() == clean
 
 
-def test_a_rederived_ledger_still_refuses_a_trained_stage_the_job_renamed(tmp_path):
+def test_a_rederived_stages_record_still_refuses_a_trained_stage_the_job_renamed(tmp_path):
     """What the re-derivation can check, it does: the manifests name the stages that were trained."""
     from trainers.layout import RunFolder
     from trainers.plan import plan_start
@@ -148,29 +148,29 @@ def test_a_rederived_ledger_still_refuses_a_trained_stage_the_job_renamed(tmp_pa
     job = _job(tmp_path)
     _stage0_checkpoints(job)
     plan_start(job, 1)
-    RunFolder.of(job).ledger.write_bytes(b"")
+    RunFolder.of(job).stages_record.write_bytes(b"")
     renamed = _job(tmp_path, stages=[STAGES[0].model_copy(update={"name": "other"}), STAGES[1]])
     with pytest.raises(FatalError, match=r"train\.stages\[0\]: stage 'warm' was already trained on"):
         plan_start(renamed, 1)
 
 
 @pytest.mark.parametrize("how", CUTS)
-def test_a_cut_short_local_ledger_takes_the_mirrors_whole_copy(tmp_path, how):
+def test_a_cut_short_local_stages_record_takes_the_mirrors_whole_copy(tmp_path, how):
     from trainers.layout import RunFolder
     from trainers.remote import RemoteFolder
 
     job = _job(tmp_path)
-    ledger = RunFolder.of(job).ledger
+    stages = RunFolder.of(job).stages_record
     whole = [s.model_dump(mode="json") for s in STAGES]
-    atomic_write_json(ledger, whole, indent=1)
-    clean = ledger.read_bytes()
-    _cut(ledger, how)
+    atomic_write_json(stages, whole, indent=1)
+    clean = stages.read_bytes()
+    _cut(stages, how)
     mirror = RemoteFolder.__new__(RemoteFolder)  # the object store is not what this test is about
     mirror.uri = "s3://bucket/run"
-    mirror._names = lambda sub="": {ledger.name}
+    mirror._names = lambda sub="": {stages.name}
     mirror._get_text = lambda name: json.dumps(whole)
-    mirror.pull_json_list(ledger)
-    assert ledger.read_bytes() == clean
+    mirror.pull_json_list(stages)
+    assert stages.read_bytes() == clean
 
 
 def test_the_records_alone_say_a_stage_is_finished_and_what_they_do_not_settle_is_left_to_a_launch(tmp_path):
@@ -180,7 +180,7 @@ def test_the_records_alone_say_a_stage_is_finished_and_what_they_do_not_settle_i
 
     job = _job(tmp_path)
     _stage0_checkpoints(job)
-    assert finished(job, 0) is None  # no launch recorded stage 0 in the stages ledger
+    assert finished(job, 0) is None  # no launch recorded stage 0 in the trained-stages record
     plan_start(job, 0)
     end = finished(job, 0)
     assert (end.tokens, end.stage_index) == (2560, 0) and Path(end.path).name == "tiny-s0-tok2560-rank0.pt"
@@ -202,14 +202,14 @@ def test_with_an_s3_mirror_a_stage_is_finished_only_once_its_end_checkpoint_is_i
     moto_s3.create_bucket(Bucket="ckpt")
     job = _job(tmp_path, save_folder="s3://ckpt/runs")
     _stage0_checkpoints(job)
-    plan_start(job, 0)  # records the stage and reconciles: the mirror gets the ledger and the checkpoints
+    plan_start(job, 0)  # records the stage and reconciles: the mirror gets the stages and the checkpoints
     listed = moto_s3.list_objects_v2(Bucket="ckpt", Prefix="runs/tiny/manifests/")["Contents"]
     manifest = next(o["Key"] for o in listed if "2560" in o["Key"])
     moto_s3.delete_object(Bucket="ckpt", Key=manifest)
     assert finished(job, 0) is None  # complete on this disk, not in the mirror a pod or a fresh node reads
     end_info = next(c for c in RunFolder.of(job).complete() if c.tokens == 2560)
     RemoteFolder.for_job(job).upload_now(end_info)
-    RunFolder.of(job).ledger.unlink()  # a fresh flow's working copy: the ledger comes from the mirror
+    RunFolder.of(job).stages_record.unlink()  # a fresh flow's working copy: the record comes from the mirror
     end = finished(job, 0)
     assert end is not None and end.tokens == 2560
 

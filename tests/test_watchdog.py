@@ -180,9 +180,9 @@ def reference(tmp_path_factory, source):
 
 
 def _ledger(job_path: Path) -> list[dict]:
-    from tasks import launch_ledger
+    from tasks import launch_records
 
-    return launch_ledger.read(job_path.parent)
+    return launch_records.read(job_path.parent)
 
 
 def _same_weights(job, reference) -> bool:

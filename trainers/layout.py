@@ -5,7 +5,7 @@ Layout of `save_folder` (names are scoped by run_name, so two runs can share a f
     <run>-s<K>-tok<T>/               the same, sharded (trainers/sharding.py): __<rank>_0.distcp, .metadata
     latest-<run>-s<K>-rank0.pt       symlink Composer autoresume follows, per stage
     manifests/tok-<T>.json           done-marker (trainers/checkpoints.py), written after the .pt is complete
-    <run>-stages.json                ledger of stage specs already trained on (trainers/trained_stages.py)
+    <run>-stages.json                record of stage specs already trained on (trainers/trained_stages.py)
     <run>-rollbacks.json             loss-anomaly rollbacks (trainers/rollback.py)
     <run>-s<K>-tok<T>-rank0.pt.corrupt   the newest checkpoint withdrawn as damaged, kept for a look
 With an s3:// train.save_folder the same names also live remotely (trainers/remote.py, whose
@@ -86,7 +86,7 @@ class RunFolder:
         return self.path / self.latest_template(stage_index).format(rank=0)
 
     @property
-    def ledger(self) -> Path:
+    def stages_record(self) -> Path:
         return self.path / f"{self.run_name}-stages.json"
 
     @property

@@ -60,7 +60,7 @@ def plan_start(job: TrainJob, stage_index: int) -> StartPlan:
     folder.path.mkdir(parents=True, exist_ok=True)
     remote = RemoteFolder.for_job(job)
     if remote is not None:
-        remote.pull_json_list(folder.ledger)
+        remote.pull_json_list(folder.stages_record)
         remote.pull_json_list(folder.rollbacks)
     trained_stages.check(folder, job.train.stages)
 

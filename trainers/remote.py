@@ -10,7 +10,7 @@ Composer autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_na
   end, which waits for the uploads, gives up on one (a one-line error that names it and the S3 error).
   Keep-last-K rotates the remote the same way (manifest first, then the .pt), never touching a checkpoint
   that is pinned (`pins/<name>`: the flow's evaluation pod is reading it) or whose upload is under way;
-- before a launch plans its start point, the run files (stage ledger, rollback records) are
+- before a launch plans its start point, the run files (trained-stages record, rollback records) are
   pulled, local complete checkpoints the remote lacks are uploaded (a kill between the local
   publish and the upload), and the checkpoint this launch starts from is downloaded when the
   local folder lacks it (a new node, a wiped work_dir). Autoresume then proceeds locally.
@@ -152,7 +152,7 @@ class RemoteFolder:
     # ------------------------------------------------------------ run files
 
     def pull_json_list(self, local: Path) -> None:
-        """Take the remote copy of an append-only JSON list (ledger, rollbacks) when it knows more."""
+        """Take the remote copy of an append-only JSON list (trained stages, rollbacks) when it knows more."""
         if local.name not in self._names(local.name):
             return
         try:
@@ -168,8 +168,8 @@ class RemoteFolder:
             atomic_write_json(local, remote, indent=1)
 
     def push_file(self, local: Path, best_effort: bool = False) -> None:
-        """Upload a run file whole. `best_effort` (the time ledger, pushed whole again with its next record): a
-        failure is a line in the log, never the launch's end. The stage ledger and the rollback records must
+        """Upload a run file whole. `best_effort` (the time records, pushed whole again with its next record): a
+        failure is a line in the log, never the launch's end. The trained-stages record and the rollback records must
         reach the mirror before the launch goes on, so theirs raise."""
         try:
             self.store.upload_object(local.name, str(local))

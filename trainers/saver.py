@@ -18,7 +18,7 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from trainers import heartbeat, time_ledger
+from trainers import heartbeat, time_records
 from trainers.config import Stage, TrainJob
 from trainers.disk import no_space
 from trainers.faults import maybe_fault, maybe_freeze, maybe_stall, maybe_write_slowly
@@ -260,7 +260,7 @@ class PublishingCheckpointSaver(CheckpointSaver):
 
     def _record_time(self, tokens: int, final: bool) -> None:
         folder = self.run_folder
-        time_ledger.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, self.remote)
+        time_records.record(folder.path, folder.run_name, self.run_stage.name, tokens, final, self.remote)
 
     def post_close(self) -> None:
         super().post_close()

@@ -8,7 +8,7 @@ its StageConfig. A later launch may append stages (continued pretraining adds on
 or drop one: its checkpoints were made with those numbers, and the LR schedule, the data position
 and the token boundaries of every later stage follow from them.
 
-The ledger is written whole and durably (trainers/format/atomic.py). One written before that, and
+The record is written whole and durably (trainers/format/atomic.py). One written before that, and
 cut short by a power loss (typically an empty file: the rename reached the disk, the bytes did
 not), is re-derived rather than refused: refusing would fail every relaunch of a run that has
 nothing wrong with it but this file.
@@ -31,16 +31,16 @@ log = logging.getLogger("tessera.plan")
 
 
 def _write(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
-    atomic_write_json(folder.ledger, [s.model_dump(mode="json") for s in stages], indent=1)
+    atomic_write_json(folder.stages_record, [s.model_dump(mode="json") for s in stages], indent=1)
 
 
 def _rederived(folder: RunFolder, stages: Sequence[StageConfig], why: CutShort) -> list[dict]:
-    """The ledger a cut-short one stood for, from what the run left on disk; written back.
+    """The record a cut-short one stood for, from what the run left on disk; written back.
 
     Every stage with a checkpoint file of this run (published or not: a file is saved only after its
-    stage was recorded) was trained on, so the ledger held at least stages 0..K of the highest such K;
+    stage was recorded) was trained on, so the record held at least stages 0..K of the highest such K;
     the launch's own `record` then appends the stage being started, as a clean run would have. What a
-    re-derived ledger cannot tell is an edit of a trained stage's numbers made meanwhile; the stage
+    re-derived record cannot tell is an edit of a trained stage's numbers made meanwhile; the stage
     names the published manifests record are checked, and a stage that is gone is still refused.
     """
     highest = -1
@@ -58,7 +58,7 @@ def _rederived(folder: RunFolder, stages: Sequence[StageConfig], why: CutShort) 
                 "the job names another stage there; editing a trained stage is refused (append a new stage instead)"
             )
         highest = max(highest, info.stage_index)
-    # No checkpoint at all (highest -1): nothing was trained that the ledger must protect; the empty
+    # No checkpoint at all (highest -1): nothing was trained that the record must protect; the empty
     # list is replaced by the launch's own record of the stage it starts.
     log.warning("%s; re-derived from this run's checkpoints: %d stage(s)", why, highest + 1)
     _write(folder, stages[: highest + 1])
@@ -67,7 +67,7 @@ def _rederived(folder: RunFolder, stages: Sequence[StageConfig], why: CutShort) 
 
 def _trained(folder: RunFolder, stages: Sequence[StageConfig]) -> list[dict]:
     try:
-        return read_json(folder.ledger, missing=[])
+        return read_json(folder.stages_record, missing=[])
     except CutShort as why:
         return _rederived(folder, stages, why)
 
@@ -82,7 +82,7 @@ def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
                 "the job; stages can be appended, not removed"
             )
         current = stages[i].model_dump(mode="json")
-        # Through the model, so fields added to StageConfig since the ledger was written compare as their defaults.
+        # Through the model, so fields added to StageConfig since the record was written compare as their defaults.
         recorded = StageConfig.model_validate(recorded).model_dump(mode="json")
         for field in sorted(set(recorded) | set(current)):
             if recorded.get(field) != current.get(field):
@@ -94,7 +94,7 @@ def check(folder: RunFolder, stages: Sequence[StageConfig]) -> None:
 
 
 def covers(folder: RunFolder, stages: Sequence[StageConfig], stage_index: int) -> bool:
-    """The ledger records stages 0..stage_index as the job has them: no launch would refuse an edit of them."""
+    """The record records stages 0..stage_index as the job has them: no launch would refuse an edit of them."""
     try:
         check(folder, stages)
     except FatalError:  # the launch says it, in the trainer's own words
@@ -108,8 +108,8 @@ def finished(job: TrainJob, stage_index: int) -> CheckpointInfo | None:
 
     Complete means: a published manifest of the stage at or past its end, in the s3 mirror when the run has one
     (where a pod's or a fresh node's work lands, and a manifest is uploaded after its file), its file whole where it
-    is local, and the stages ledger agreeing with the job's stages up to this one (an edit of a trained stage is
-    left to the launch, which refuses it in one line). Read-only except that a mirror's ledger is pulled into the
+    is local, and the trained-stages record agreeing with the job's stages up to this one (an edit of a trained stage is
+    left to the launch, which refuses it in one line). Read-only except that a mirror's record is pulled into the
     local one, as a launch's plan would. Anything the records do not settle is the launch's to decide.
     """
     stage = job.stage(stage_index)
@@ -117,7 +117,7 @@ def finished(job: TrainJob, stage_index: int) -> CheckpointInfo | None:
     remote = RemoteFolder.for_job(job)
     if remote is not None:
         folder.path.mkdir(parents=True, exist_ok=True)
-        remote.pull_json_list(folder.ledger)
+        remote.pull_json_list(folder.stages_record)
         done = [c for c in remote.complete() if folder.owns(Path(c.path).name)]
     else:
         done = [c for c in folder.complete() if is_intact(c.path)]
@@ -133,4 +133,4 @@ def record(folder: RunFolder, stages: Sequence[StageConfig], stage_index: int, r
     if stage_index + 1 > len(trained):
         _write(folder, stages[: stage_index + 1])
         if remote is not None:
-            remote.push_file(folder.ledger)
+            remote.push_file(folder.stages_record)

@@ -1,6 +1,6 @@
 """The one way tessera writes a state file: whole or not at all, and on the disk when this returns.
 
-A state file is one a later process reads back to decide what to do: the stage ledger, the rollback
+A state file is one a later process reads back to decide what to do: the trained-stages record, the rollback
 records, the job file, checkpoint manifests, the metrics marker, prepared data's provenance and
 done-marker. Written with a plain `write_text`, or with a temp file renamed in but never fsynced, a
 power loss can leave it empty or cut short: the rename reached the disk, the bytes did not (the
@@ -96,7 +96,7 @@ def read_json(path: str | Path, missing: Any = None) -> Any:
 
 
 def append_record(path: str | Path, record: dict) -> None:
-    """Append `record` to a JSON-lines journal as one line, flushed and fsynced (a ledger's one write)."""
+    """Append `record` to a JSON-lines journal as one line, flushed and fsynced (a journal's one write)."""
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
         f.flush()

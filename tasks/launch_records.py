@@ -18,7 +18,7 @@ from trainers.format.atomic import append_record, fsync_path, read_records
 
 
 def path(run_dir: Path) -> Path:
-    return Path(run_dir) / "ledger" / "launches.jsonl"
+    return Path(run_dir) / "ledger" / "launches.jsonl"  # the goodput ledger's folder: its inputs
 
 
 def append(run_dir: Path, record: dict) -> None:
