@@ -1,1 +1,10 @@
-"""The front door: the `tessera` command (cli/main.py), `tessera up` (the local stack) and deploy."""
+"""The front door: the `tessera` command, `tessera up` (the local stack) and deploy. Nothing here is a flow.
+
+main.py          the `tessera` command: its parser, `run`, `prepare`, `status`, and one-line errors with exit codes
+models.py        `tessera eval`, `compare`, `promote` and `continue`: the commands about models rather than runs
+k8s.py           `tessera k8s render` and `status`: the Kubernetes backend's objects, without running a flow
+deploy.py        `tessera deploy`: prefect.yaml's deployments published, their forms bounded by a recipe
+up.py            `tessera up`: Prefect server, a process worker and MLflow on this machine, until Ctrl-C
+up_stack.py      the processes `tessera up` starts and stops, and everything they start in turn
+service_logs.py  errors `tessera up`'s services log, said on its terminal too
+"""

@@ -14,7 +14,7 @@ With --report-only it logs nothing and packages nothing: it scores any model spe
 and its summary line carries the whole GauntletReport under `report` (per-task results and each
 example's outcome, which promotion's paired intervals need), so promotion scores in a pod as well.
 
-Exit codes: 0 done; 78 bad gauntlet input (a retry would fail the same way); 1 anything else.
+Exit codes and the summary line: evaluation/protocol.py, which the flow's tasks read it by.
 """
 
 from __future__ import annotations
@@ -27,13 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainers.contract import FATAL
-
-SUMMARY_PREFIX = "tessera.eval"
-BAD_INPUT = "tessera.eval: bad input: "  # what a bad-input exit's one line starts with, on stderr
-# Bad input in the pod (a damaged checkpoint, a missing task file) exits with the trainer's FATAL code, so the
-# Job's FailJob rule and the flow read both pods alike. (The `tessera` CLI's bad-input exit code is 2.)
-EXIT_FATAL = FATAL
+from evaluation.protocol import BAD_INPUT, EXIT_FATAL, summary_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": report.seconds,
         "model_uri": model_uri,
     }
-    print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
+    print(summary_line(summary), flush=True)
     return 0
 
 
@@ -222,7 +216,7 @@ def _report_only(args: argparse.Namespace, cfg) -> int:
         "seconds": report.seconds,
         "report": asdict(report),
     }
-    print(f"{SUMMARY_PREFIX} {json.dumps(summary, separators=(',', ':'))}", flush=True)
+    print(summary_line(summary), flush=True)
     return 0
 
 
@@ -237,18 +231,6 @@ def _package(model, tokenizer, args: argparse.Namespace, tmp: Path) -> str:
     tokenizer.save_pretrained(hf_dir)
     card = f"# tessera checkpoint\n\nStage {args.stage or '?'}, after {args.step:,} tokens (run {args.run_id})."
     return publish(save_mlflow_model(hf_dir, tmp / "mlflow-model", card), args.package_to)
-
-
-def parse_summary(line: str) -> dict | None:
-    """The summary of a `tessera.eval {json}` line, or None for any other line."""
-    text = line.strip()
-    if not text.startswith(SUMMARY_PREFIX + " "):
-        return None
-    try:
-        summary = json.loads(text[len(SUMMARY_PREFIX) + 1 :])
-    except ValueError:
-        return None
-    return summary if isinstance(summary, dict) else None
 
 
 if __name__ == "__main__":

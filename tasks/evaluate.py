@@ -168,7 +168,7 @@ def run_eval_pod(
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
 
-    from evaluation.__main__ import BAD_INPUT, EXIT_FATAL
+    from evaluation.protocol import BAD_INPUT, EXIT_FATAL
     from infra import backend_for
 
     logger = get_run_logger()
@@ -202,7 +202,7 @@ def _evaluate_in_pod(
     compute: ComputeConfig,
 ) -> EvalSummary:
     """The gauntlet in its own pod, through the training launcher; the pod logs to MLflow, this reads its summary."""
-    from evaluation.__main__ import parse_summary
+    from evaluation.protocol import parse_summary
 
     logger = get_run_logger()
     what = f"evaluation of {checkpoint.path}"

@@ -61,7 +61,7 @@ def score_in_pod(
     """Score one model in an evaluation pod, as `_evaluate_in_pod` scores a checkpoint (tasks.evaluate.run_eval_pod:
     the same launcher, limit on pods at once and failures). `unit` names the pod's Job, so a restarted flow finds
     the pod of the same model again instead of starting another."""
-    from evaluation.__main__ import parse_summary
+    from evaluation.protocol import parse_summary
 
     logger = get_run_logger()
     what = f"scoring {model}"

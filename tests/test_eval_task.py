@@ -128,7 +128,8 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
 ):
     """With the kubernetes backend the gauntlet runs in `python -m evaluation`; it checks the manifest's SHA-256
     (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
-    from evaluation.__main__ import EXIT_FATAL, _verified, main, parse_args
+    from evaluation.__main__ import _verified, main, parse_args
+    from evaluation.protocol import EXIT_FATAL
     from tasks.evaluate import pod_args
     from trainers.format.checkpoints import file_sha256
 
@@ -333,8 +334,8 @@ def test_a_checkpoint_that_would_run_code_is_refused_by_eval_compare_the_flow_an
     import yaml
 
     from cli.main import main
-    from evaluation.__main__ import EXIT_FATAL
     from evaluation.__main__ import main as pod_main
+    from evaluation.protocol import EXIT_FATAL
     from flows.evaluate import EvalParams, eval_flow
     from tests.conftest import tiny_recipe
 
@@ -395,8 +396,9 @@ def test_a_sharded_checkpoint_in_s3_is_downloaded_verified_and_scored_by_the_pod
     shard is a bad input naming the file."""
     import torch.distributed.checkpoint as dcp
 
-    from evaluation.__main__ import EXIT_FATAL, _local_checkpoint, _verified, main, parse_args
+    from evaluation.__main__ import _local_checkpoint, _verified, main, parse_args
     from evaluation.models import load_model
+    from evaluation.protocol import EXIT_FATAL
     from tasks.evaluate import pod_args
     from trainers.format.checkpoints import shard_files
 

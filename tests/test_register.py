@@ -238,7 +238,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(
 
     import mlflow.transformers
 
-    from evaluation.__main__ import parse_summary
+    from evaluation.protocol import parse_summary
     from trainers.format.mlflow_model import model_uri_for
 
     moto_s3.create_bucket(Bucket="ckpts")

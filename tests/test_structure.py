@@ -11,6 +11,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cli", "flows", "tasks", "trainers", "evaluation", "infra")
 # Subpackages that are units of their own: the rest of their parent may import them, not the reverse.
@@ -235,6 +237,52 @@ def private_prefect_imports() -> dict[str, set[str]]:
 
 def test_private_prefect_modules_are_imported_only_where_listed_with_why():
     assert set(private_prefect_imports()) == set(PRIVATE_PREFECT)
+
+
+def dynamic_imports() -> list[str]:
+    """Product modules that import by name at run time (importlib.import_module, __import__): an import the map
+    above cannot see. None is needed; importlib.metadata (a package's version) imports nothing of tessera."""
+    found = []
+    for name, path in product_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = node.func if isinstance(node, ast.Call) else None
+            called_name = getattr(called, "attr", None) or getattr(called, "id", None)
+            if called_name in ("import_module", "__import__"):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_module_imports_by_name_at_run_time_or_relatively():
+    """Both would hide an edge from the map: `imports` reads absolute imports only (ruff's TID252 refuses relative
+    ones at lint time too)."""
+    assert dynamic_imports() == []
+    relative = [
+        f"{name}:{node.lineno}"
+        for name, path in product_modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert relative == []
+
+
+# Packages whose __init__ docstring indexes their modules, one a line (`name.py  what it is`, or `name  ...`,
+# `name/  ...` for a subpackage): the index must name exactly the modules there are.
+INDEXED = ("cli", "flows", "tasks", "tasks/data", "trainers", "evaluation")
+
+
+def index_drift(package: str) -> tuple[set[str], set[str]]:
+    """(modules the index misses, names it lists that are no module) for `package`'s __init__ docstring."""
+    folder = ROOT / package
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    listed = {m[1] for line in doc.splitlines() if (m := re.match(r"(_*[a-z0-9_]+)(?:\.py|/)? {2,}\S", line))}
+    there = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    there |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    return there - listed, listed - there
+
+
+@pytest.mark.parametrize("package", INDEXED)
+def test_a_package_index_names_every_module_and_only_those(package):
+    assert index_drift(package) == (set(), set())
 
 
 # What each trainers module other than layout.py removes; a checkpoint is none of it. layout.py removes

@@ -8,6 +8,10 @@ model.py           the Llama-style decoder, size presets, vocabulary padding, FL
 compile.py         train.compile: each block's forward compiled, the keyed kernel cache, the compile phase
 lm_loss.py         the training loss without the logits: a chunked, fused linear cross-entropy
 data.py            one StreamingDataset epoch per stage over the stage's mixture
+data_check.py      every shard's bytes against the hash its index records, before a launch trains on them
+sharding.py        how several ranks share the model: Composer's FSDP2, per decoder block
+rendezvous.py      the launch's process group, its store listening only where the launcher said
+preflight.py       before a launch spends compute: room to save, and ranks that compute and talk like their peers
 schedule.py        the global LR curve (a pure function of tokens) and the callback that applies it
 layout.py          the save folder's file names, and the one place that removes a checkpoint
 plan.py            start plan (resume / enter stage / fresh) after repairing what a kill left
@@ -17,6 +21,10 @@ remote.py          the s3 mirror of the save folder, and fetching a folder from 
 rollback.py        NaN / spike rollback records and the data skip on relaunch
 callbacks.py       MLflow metrics, progress lines, the loss guard, test probes
 metrics_outbox.py  metrics to MLflow off the step's path: queue, write-ahead journal, shipper thread
+heartbeat.py       this rank's phase and last progress, for the watchdog beside the ranks
+rank_timing.py     where each rank's steps go (data wait, compute, collectives), and which rank is slow
+time_records.py    where a launch's time went, as rank 0 saw it: a JSON line per checkpoint (goodput reads it)
+disk.py            a full disk found in an error's chain, said in one line naming the folder
 progress.py        the `tessera.start` / `tessera.progress` line formats and parsers (no torch: the flow imports it)
 folder_lock.py     one trainer per run name: rank 0's flock on <save_folder>/<run>.lock
 supervisor.py      every rank stops when the process that launched the job is gone

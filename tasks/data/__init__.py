@@ -14,8 +14,11 @@ mds        windows -> MDSWriter shards
 hashing    what the output hash covers
 outputs    staged directories, provenance.json, the done-marker
 pipeline   one source end to end: plan, tokenize, pack, write, publish (prepare_source)
-results    PreparedSource / PreparedData and `summarize`
+results    PreparedSource / PreparedData / RecipeData and `summarize`
 errors     DataError: one line naming the file and line or field
+claim      one writer per output directory, across processes and hosts sharing the data root
+interrupt  what a signal does to the prepare stage: stop, publish nothing partial, exit in bounded time
+remote_root  an s3:// data root: prepared in a local working copy, then published to the bucket
 """
 
 from tasks.data.config import DataConfig
