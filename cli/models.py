@@ -142,40 +142,11 @@ def cmd_continue(args: argparse.Namespace) -> int:
     return 0
 
 
-def eval_command(
-    model: str,
-    tasks: str,
-    gauntlet: str | None = None,
-    data_root: str = ".",
-    *,
-    batch_size: int = 16,
-    max_seq_len: int | None = None,
-    seed: int = 1234,
-    strict: bool = False,
-    tracking_uri: str | None = None,
-    compare_to: str | None = None,
-    output_dir: str | None = None,
-    run_id: str | None = None,
-    step: int = 0,
-    trust_checkpoint: bool = False,
-) -> EvalOutcome:
-    """What `tessera eval` calls. Raises evaluation.GauntletError (one line) on bad input."""
+def eval_command(model: str, tasks: str, gauntlet: str | None = None, data_root: str = ".", **more) -> EvalOutcome:
+    """What `tessera eval` and `compare` call: the eval flow on EvalParams (whose fields are the ones `more` may name,
+    and their defaults). Raises evaluation.GauntletError (one line) on bad input."""
     from flows.evaluate import EvalParams, eval_flow
 
-    params = EvalParams(
-        model=model,
-        tasks=tasks,
-        gauntlet=gauntlet,
-        data_root=data_root,
-        batch_size=batch_size,
-        max_seq_len=max_seq_len,
-        seed=seed,
-        strict=strict,
-        tracking_uri=tracking_uri,
-        compare_to=compare_to,
-        output_dir=output_dir,
-        run_id=run_id,
-        step=step,
-        trust_checkpoint=trust_checkpoint,
-    )
-    return eval_flow(params)
+    if unknown := sorted(set(more) - set(EvalParams.model_fields)):  # the form ignores extra keys; a caller may not
+        raise TypeError(f"eval_command() got unexpected keyword arguments {unknown}")
+    return eval_flow(EvalParams(model=model, tasks=tasks, gauntlet=gauntlet, data_root=data_root, **more))
