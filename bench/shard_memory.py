@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
-    from trainers.model import PRESETS, total_params
+    from trainers.model import PRESETS
 
     baseline = int(subprocess.run([sys.executable, "-c", BASELINE], cwd=ROOT, capture_output=True, text=True).stdout)
     with tempfile.TemporaryDirectory(prefix="tessera-shard-mem-") as tmp:
@@ -100,7 +100,7 @@ def main() -> None:
     result = {
         "bench": "shard_memory",
         "preset": args.preset,
-        "params_m": round(total_params(PRESETS[args.preset], 50277) / 1e6, 1),
+        "params_m": round(PRESETS[args.preset].total_params(50277) / 1e6, 1),
         "ranks": 2,
         "ddp_peak_mb": [r["peak_mb"] for r in ddp],
         "fsdp2_peak_mb": [r["peak_mb"] for r in fsdp],
@@ -115,7 +115,7 @@ def main() -> None:
         "baseline_mb": baseline,
         "export_from_file_mb": from_file,
         "export_from_shards_mb": from_shards,
-        "model_fp32_mb": round(4 * total_params(PRESETS[args.preset], 50277) / 2**20),
+        "model_fp32_mb": round(4 * PRESETS[args.preset].total_params(50277) / 2**20),
         "ddp_save_s": [r["save_s"][-1] for r in ddp],
         "fsdp2_save_s": [r["save_s"][-1] for r in fsdp],
         "goal": 0.6,

@@ -124,7 +124,7 @@ def vocabulary_mismatch(model: Any, tokenizer: Any) -> str | None:
 @contextmanager
 def tokenizer_rows_only(model: Any, tokenizer: Any) -> Iterator[None]:
     """While scoring, the head's output keeps only the tokenizer's ids: a model whose vocabulary is padded
-    (trainers/model.vocab_rows) can never score or emit a padded id, since no logit of one exists. Every
+    (ModelConfig.vocab_rows) can never score or emit a padded id, since no logit of one exists. Every
     forward goes through the head, the scored positions' and `generate`'s alike."""
     why = vocabulary_mismatch(model, tokenizer)
     if why is not None:

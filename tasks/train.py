@@ -365,7 +365,6 @@ def _no_room_for_a_checkpoint(job_path: str) -> str | None:
 
     from trainers.disk import existing, human_bytes
     from trainers.format.checkpoints import list_complete
-    from trainers.model import checkpoint_bytes
 
     try:
         job = TrainJob.model_validate_json(Path(job_path).read_text())
@@ -373,7 +372,7 @@ def _no_room_for_a_checkpoint(job_path: str) -> str | None:
         usage = shutil.disk_usage(folder)
     except (OSError, ValueError):
         return None
-    need = checkpoint_bytes(job.model, job.vocab_size)
+    need = job.model.checkpoint_bytes(job.vocab_size)
     if usage.free >= need:
         return None
     done = list_complete(job.save_folder)

@@ -31,8 +31,8 @@ from tasks.train import make_job, write_job
 from tests.conftest import ROOT
 from tests.test_k8s_manifests import K8S_VERSIONS, _by_kind, _core_objects
 from tests.test_k8s_manifests import jobset_schema as _jobset_schema_fixture
-from trainers.config import MlflowTarget, ModelConfig, TrainJob
-from trainers.model import CHECKPOINT_BYTES_PER_PARAM, PRESETS, build_model_on_meta, checkpoint_bytes
+from trainers.config import CHECKPOINT_BYTES_PER_PARAM, MlflowTarget, ModelConfig, TrainJob
+from trainers.model import PRESETS, build_model_on_meta
 from trainers.sharding import is_sharded
 
 # The JobSet v0.12.0 CRD's openAPIV3Schema, found (or the test skipped, saying where it looked) as that module does.
@@ -116,7 +116,7 @@ def test_the_opening_comment_states_the_true_size_budget_steps_and_checkpoint(na
     assert stated["steps"] == pytest.approx(steps, rel=0.02)
     assert stated["params"] == pytest.approx(params, rel=0.02)
     # 12 bytes a parameter: fp32 weights and AdamW's two moments (the preflight's and the watchdog's figure too)
-    assert checkpoint_bytes(recipe.model, vocab) == CHECKPOINT_BYTES_PER_PARAM * params
+    assert recipe.model.checkpoint_bytes(vocab) == CHECKPOINT_BYTES_PER_PARAM * params
     assert stated["checkpoint_bytes"] == pytest.approx(CHECKPOINT_BYTES_PER_PARAM * params, rel=0.03)
     assert 15 <= budget / params <= 25  # a real budget: about Chinchilla's 20 tokens a parameter
 

@@ -87,18 +87,18 @@ def test_exit_code_classes_go_by_type_before_message():
 
 
 def test_presets_param_count_and_flops():
-    from trainers.model import PRESETS, build_model, flops_per_token, matmul_params, total_params
+    from trainers.model import PRESETS, build_model, flops_per_token, matmul_params
 
     tiny = build_model(PRESETS["tiny"], 50277, 128, 0, seed=0)
     assert tiny.get_input_embeddings().weight.shape[0] == 50304  # padded to a multiple of 128
-    assert sum(p.numel() for p in tiny.parameters()) == total_params(PRESETS["tiny"], 50277)
+    assert sum(p.numel() for p in tiny.parameters()) == PRESETS["tiny"].total_params(50277)
     f = flops_per_token(PRESETS["tiny"], 50277, 128)
     # FLOPs count useful work: the head's 27 padded rows multiply every token too, but no token needs them
     assert f.dense == 6 * (matmul_params(tiny) - 27 * 64)
     assert f.attention == 12 * 2 * 128 * 64
     # The GPT-3-style names are honest about size (tied NeoX vocabulary).
     for name, low, high in [("125m", 115e6, 135e6), ("350m", 330e6, 370e6), ("1b", 1.2e9, 1.4e9), ("7b", 6.5e9, 7.0e9)]:
-        assert low < total_params(PRESETS[name], 50277) < high, name
+        assert low < PRESETS[name].total_params(50277) < high, name
 
 
 def test_lr_schedule_is_global_across_stages():

@@ -235,7 +235,7 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
 
 
 def _checkpoint_bytes(job: TrainJob) -> int:
-    return model_lib.checkpoint_bytes(job.model, job.vocab_size)
+    return job.model.checkpoint_bytes(job.vocab_size)
 
 
 def _data_bytes(job: TrainJob, stage_index: int) -> int:
@@ -471,7 +471,7 @@ def _model_config(job: TrainJob, plan: StartPlan) -> ModelConfig:
     A checkpoint written before vocabulary padding (or with model.vocab_multiple 1) has exactly the tokenizer's
     rows: the run keeps them, so it resumes as it began. Any other difference from the recipe's rows is another
     tokenizer or another padding, and stops the launch in one line naming both shapes."""
-    rows, wanted = plan.vocab_rows, model_lib.vocab_rows(job.model, job.vocab_size)
+    rows, wanted = plan.vocab_rows, job.model.vocab_rows(job.vocab_size)
     if rows is None or rows == wanted:
         return job.model
     if rows == job.vocab_size:

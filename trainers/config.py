@@ -28,6 +28,9 @@ from trainers.contract import WatchdogConfig
 NAME_RESERVE = 64
 
 
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two fp32 moments; the rest of a checkpoint is small
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +63,33 @@ class ModelConfig(_Strict):
         "resolved against the job's tracking server) whose weights start the run instead of a random init. "
         "Its architecture must match this section.",
     )
+
+    def ffn_width(self) -> int:
+        """SwiGLU width: 8/3*D keeps the 3-matrix MLP at the parameter count of a 4*D GELU MLP;
+        rounding up to a multiple of 64 keeps matmul tiles aligned on tensor cores."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 64 * -(-(8 * self.d_model) // (3 * 64))
+
+    def vocab_rows(self, vocab_size: int) -> int:
+        """Rows of the embedding and the head: the tokenizer's `vocab_size` rounded up to `vocab_multiple`.
+
+        A head 50,277 wide runs in slow, odd-sized matmul kernels; 50,304 (a multiple of 128) in the fast ones.
+        The extra rows are never a target (no token has their ids); the gauntlet and generation mask them out."""
+        return -(-vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    def total_params(self, vocab_size: int) -> int:
+        """Every weight the model holds, the embedding's padded rows included (`vocab_size` is the tokenizer's)."""
+        d, L, f = self.d_model, self.n_layers, self.ffn_width()
+        kv_dim = d // self.n_heads * (self.n_kv_heads or self.n_heads)
+        per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
+        embeddings = self.vocab_rows(vocab_size) * d * (1 if self.tie_embeddings else 2)
+        return L * per_block + embeddings + d
+
+    def checkpoint_bytes(self, vocab_size: int) -> int:
+        """About how large one checkpoint is (no torch needed, so the flow and the preflight ask it too): the demo's
+        3.3M parameters give 39.9 MB (42.6 MB on disk, tokenizer in)."""
+        return CHECKPOINT_BYTES_PER_PARAM * self.total_params(vocab_size)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

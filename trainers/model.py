@@ -51,28 +51,12 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def ffn_hidden(cfg: ModelConfig) -> int:
-    """SwiGLU width: 8/3*D keeps the 3-matrix MLP at the parameter count of a 4*D GELU MLP;
-    rounding up to a multiple of 64 keeps matmul tiles aligned on tensor cores."""
-    if cfg.ffn_hidden:
-        return cfg.ffn_hidden
-    return 64 * -(-(8 * cfg.d_model) // (3 * 64))
-
-
-def vocab_rows(cfg: ModelConfig, vocab_size: int) -> int:
-    """Rows of the embedding and the head: the tokenizer's `vocab_size` rounded up to `cfg.vocab_multiple`.
-
-    A head 50,277 wide runs in slow, odd-sized matmul kernels; 50,304 (a multiple of 128) in the fast ones.
-    The extra rows are never a target (no token has their ids); the gauntlet and generation mask them out."""
-    return -(-vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
-
-
 def llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int, eos_token_id: int) -> LlamaConfig:
     """`vocab_size` is the tokenizer's; the model gets vocab_rows of it."""
     return LlamaConfig(
-        vocab_size=vocab_rows(cfg, vocab_size),
+        vocab_size=cfg.vocab_rows(vocab_size),
         hidden_size=cfg.d_model,
-        intermediate_size=ffn_hidden(cfg),
+        intermediate_size=cfg.ffn_width(),
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
@@ -175,28 +159,11 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> FlopsPer
     """Analytic count, so it works for presets without building a 7B model on the meta device.
 
     `vocab_size` is the tokenizer's: the head's padded rows are work no token needs, so MFU does not count them."""
-    d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
+    d, L, f = cfg.d_model, cfg.n_layers, cfg.ffn_width()
     kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
     per_block = d * d + 2 * d * kv_dim + d * d + 3 * d * f  # q, k, v, o, gate/up/down
     n = L * per_block + vocab_size * d  # + lm head
     return FlopsPerToken(dense=6 * n, attention=12 * L * seq_len * d)
-
-
-def total_params(cfg: ModelConfig, vocab_size: int) -> int:
-    """Every weight the model holds, the embedding's padded rows included (`vocab_size` is the tokenizer's)."""
-    d, L, f = cfg.d_model, cfg.n_layers, ffn_hidden(cfg)
-    kv_dim = d // cfg.n_heads * (cfg.n_kv_heads or cfg.n_heads)
-    per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
-    embeddings = vocab_rows(cfg, vocab_size) * d * (1 if cfg.tie_embeddings else 2)
-    return L * per_block + embeddings + d
-
-
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two fp32 moments; the rest of a checkpoint is small
-
-
-def checkpoint_bytes(cfg: ModelConfig, vocab_size: int) -> int:
-    """About how large one checkpoint is: the demo's 3.3M parameters give 39.9 MB (42.6 MB on disk, tokenizer in)."""
-    return CHECKPOINT_BYTES_PER_PARAM * total_params(cfg, vocab_size)
 
 
 def load_weights_from(

@@ -3,7 +3,7 @@
 Runs in every launch (each relaunch too) that has steps to train, once the launch's process group exists
 and the start is planned, before the model is built or a checkpoint loaded:
 - the first rank of each node checks the save folder's disk has room for two checkpoints of this
-  model (trainers/model.checkpoint_bytes: the next save is written before the oldest is rotated
+  model (ModelConfig.checkpoint_bytes: the next save is written before the oldest is rotated
   out), that the save folder takes a file (created, fsynced, removed), and that an s3 save folder
   takes an object (put, deleted). The stage's data was verified just before, by the plan
   (trainers/data_check.py);
@@ -37,7 +37,6 @@ from trainers.config import TrainJob
 from trainers.disk import existing, human_bytes
 from trainers.exit_codes import FatalError, InfrastructureError
 from trainers.faults import slow_factor, slowed_by
-from trainers.model import checkpoint_bytes
 from trainers.progress import format_preflight
 from trainers.remote import RemoteFolder
 
@@ -54,7 +53,7 @@ GATHER_TIMEOUT_S = 120
 def check_save_folder(job: TrainJob) -> dict:
     """Room for two checkpoints and a writable save folder (and s3 prefix), or a FatalError naming which."""
     folder = Path(job.save_folder)
-    need = CHECKPOINTS_OF_ROOM * checkpoint_bytes(job.model, job.vocab_size)
+    need = CHECKPOINTS_OF_ROOM * job.model.checkpoint_bytes(job.vocab_size)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".tessera-preflight-{uuid.uuid4().hex}"

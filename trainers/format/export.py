@@ -58,7 +58,7 @@ def embedding_rows(ckpt_path: str | Path, *, trust: bool = False) -> int:
 
 
 def never_emit_padding(model, tokenizer) -> None:
-    """A model with more vocabulary rows than its tokenizer has ids (trainers/model.vocab_rows) never generates
+    """A model with more vocabulary rows than its tokenizer has ids (ModelConfig.vocab_rows) never generates
     a padded id: `generate` suppresses them, in this process and wherever the saved model is loaded (the
     generation config travels with it: pyfunc, `mlflow.transformers`, a plain `from_pretrained`)."""
     rows, ids = model.get_input_embeddings().weight.shape[0], len(tokenizer)
