@@ -38,8 +38,7 @@ from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
-from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, HOLDER_ENV, OneLineError
-from trainers.exit_codes import FATAL, INTERRUPTED
+from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, FATAL, HOLDER_ENV, INTERRUPTED, OneLineError
 from trainers.format.atomic import atomic_write
 from trainers.progress import parse_damage
 
@@ -85,9 +84,9 @@ def exit_kind(code: int) -> Literal["ok", "preempted", "failed", "fatal"]:
     """Which budget a job's exit code draws on (see the module docstring)."""
     if code == 0:
         return "ok"
-    if code in FATAL or code == USAGE_ERROR:
+    if code == FATAL or code == USAGE_ERROR:
         return "fatal"
-    if code < 0 or code >= 128 or code in INTERRUPTED:  # Popen reports -N, shells 128+N, for signal N
+    if code < 0 or code >= 128 or code == INTERRUPTED:  # Popen reports -N, shells 128+N, for signal N
         return "preempted"
     return "failed"
 
