@@ -113,7 +113,8 @@ def test_a_pickle_planted_in_the_store_is_never_unpickled(tmp_path):
     """A peer that reaches the store and writes the start plan's key gets a failed read, not code run."""
     import torch.distributed as dist
 
-    from trainers.build import _post, _read
+    from trainers.rendezvous import post as _post
+    from trainers.rendezvous import read as _read
 
     marker = tmp_path / "ran"
     pickle.loads(pickle.dumps(_Payload(marker)))  # the payload does what it says when unpickled

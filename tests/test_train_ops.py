@@ -345,7 +345,7 @@ _SIGTERM_AFTER_A_POSTED_FAILURE = """
 import sys
 from datetime import timedelta
 from torch.distributed import TCPStore
-from trainers.build import _post, _read
+from trainers.rendezvous import post as _post, read as _read
 from trainers.exit_codes import FatalError
 from trainers.train import stop_on_signals
 

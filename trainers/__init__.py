@@ -10,7 +10,7 @@ lm_loss.py         the training loss without the logits: a chunked, fused linear
 data.py            one StreamingDataset epoch per stage over the stage's mixture
 data_check.py      every shard's bytes against the hash its index records, before a launch trains on them
 sharding.py        how several ranks share the model: Composer's FSDP2, per decoder block
-rendezvous.py      the launch's process group, its store listening only where the launcher said
+rendezvous.py      the launch's process group and store (bound where the launcher said), and the start plan's answers
 preflight.py       before a launch spends compute: room to save, and ranks that compute and talk like their peers
 schedule.py        the global LR curve (a pure function of tokens) and the callback that applies it
 layout.py          the save folder's file names, and the one place that removes a checkpoint

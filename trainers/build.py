@@ -11,10 +11,7 @@ import os
 import pickle
 import tempfile
 import time
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from composer import Trainer
@@ -33,8 +30,8 @@ from trainers.data import (
     build_val_evaluators,
     cache_dir_for,
 )
-from trainers.data_check import DamagedData, announce, verify_streams
-from trainers.exit_codes import ExitCode, FatalError, RetryableError, decide_exit
+from trainers.data_check import verify_streams
+from trainers.exit_codes import FatalError
 from trainers.faults import Probe, maybe_stall
 from trainers.format.export import embedding_rows
 from trainers.format.mlflow_model import download_model
@@ -47,7 +44,7 @@ from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_nod
 from trainers.progress import format_start
 from trainers.rank_timing import RankTiming
 from trainers.remote import fetch_folder
-from trainers.rendezvous import init_process_group
+from trainers.rendezvous import init_process_group, rank0_decides, read, run_and_post, setup_store, world
 from trainers.rng import RestoreRng
 from trainers.rollback import apply_skip, pending_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
@@ -56,12 +53,6 @@ from trainers.sharding import average_gradients_over_gloo, is_sharded, paralleli
 from trainers.shm import clean_stale_streaming_shm, leader_decides_prefixes
 
 log = logging.getLogger("tessera.train")
-T = TypeVar("T")
-
-
-def world() -> tuple[int, int]:
-    """(global rank, world size) from the launcher's environment, before torch.distributed is up."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
@@ -81,85 +72,6 @@ def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Opt
         fused=fused,
         foreach=not fused,
     )
-
-
-@contextlib.contextmanager
-def _setup_store():
-    """The launch's rendezvous store, for the waits of setting up a launch.
-
-    Before training, rank 0 may download the checkpoint to resume from (about 80 GB at 7B on a fresh
-    node), and so may the first rank of every other node. None of that may sit inside a collective:
-    a collective gives up after the process group's timeout (TESSERA_DIST_TIMEOUT, 300 s), which is
-    sized to notice a lost peer during training. A wait on the store has its own timeout, long
-    while setting up and restored afterwards.
-    """
-    from torch.distributed import distributed_c10d
-
-    store = distributed_c10d._get_default_store()
-    before = store.timeout
-    store.set_timeout(timedelta(seconds=float(os.environ.get("TESSERA_SETUP_TIMEOUT", "21600"))))
-    try:
-        yield store
-    finally:
-        store.set_timeout(before)
-
-
-def _post(store, key: str, answer, error: BaseException | None) -> None:
-    """Post an answer (JSON: the store is a network service, and what it hands out is never unpickled), or a
-    failure every rank re-raises (anything unexpected as retryable)."""
-    failure = None
-    if error is not None:  # [fatal, message, what a DamagedData names]
-        failure = [isinstance(error, FatalError), str(error) or type(error).__name__, getattr(error, "record", None)]
-    store.set(key, json.dumps({"answer": answer, "failure": failure}))
-
-
-def _read(store, key: str):
-    """The answer posted under `key`; a FatalError or RetryableError posted there is raised here too, so
-    no rank is left waiting for one that has already given up.
-
-    Every rank says it has read the answer; global rank 0 hosts the store, so on a failure it leaves
-    only once all have, or the others would find the store gone instead of the reason.
-    """
-    store.wait([key])
-    posted = json.loads(store.get(key))
-    answer, failure = posted["answer"], posted["failure"]
-    store.add(f"{key}/read", 1)
-    if failure is not None:
-        fatal, message = failure[:2]
-        # Decided now, not when the error reaches main(): a peer that read it first may already be
-        # gone, and the launcher's SIGTERM for the survivors must not turn this into INTERRUPTED.
-        decide_exit(ExitCode.FATAL if fatal else ExitCode.RETRYABLE)
-        rank, world_size = world()
-        deadline = time.monotonic() + 60
-        while rank == 0 and store.add(f"{key}/read", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if len(failure) > 2 and failure[2]:
-            damage = DamagedData(failure[2])
-            announce(damage)  # now: a peer that leaves first has the launcher SIGTERM this rank before it returns
-            raise damage
-        raise (FatalError if fatal else RetryableError)(message)
-    return answer
-
-
-def _rank0_decides(decide: Callable[[], T]) -> T:
-    """`decide()` run on global rank 0, its answer on every rank, through the launch's store (no rank
-    reads another node's disk, and a slow decision outlasts no collective's timeout)."""
-    rank, world_size = world()
-    if world_size == 1:
-        return decide()
-    with _setup_store() as store:
-        if rank == 0:
-            _run_and_post(store, "tessera/plan", decide)
-        return _read(store, "tessera/plan")
-
-
-def _run_and_post(store, key: str, work: Callable[[], object]) -> None:
-    try:
-        _post(store, key, work(), None)
-    except Exception as exc:
-        _post(store, key, None, exc)
-        if not isinstance(exc, (FatalError, RetryableError)):  # those are raised again by _read, on every rank
-            raise
 
 
 def _say_start(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
@@ -206,7 +118,7 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
             plan = dataclasses.replace(plan, vocab_rows=rows)
         return {"plan": dataclasses.asdict(plan), "skip": pending_skip(RunFolder.of(job), stage_index, plan.tokens)}
 
-    decided = _rank0_decides(decide)
+    decided = rank0_decides(decide)
     plan, skip = StartPlan(**decided["plan"]), int(decided["skip"])
     to_train = plan.tokens < job.stage(stage_index).end
     _, world_size = world()
@@ -226,11 +138,11 @@ def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
                 prepare_node(job, stage_index, plan)
             return True
 
-        with _setup_store() as store:
+        with setup_store() as store:
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                _run_and_post(store, f"tessera/node-ready/{node}", ready)
+                run_and_post(store, f"tessera/node-ready/{node}", ready)
             for other in range(nodes):
-                _read(store, f"tessera/node-ready/{other}")
+                read(store, f"tessera/node-ready/{other}")
     return plan, skip
 
 
