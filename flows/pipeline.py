@@ -24,6 +24,7 @@ from flows.prepare import prepare_recipe_data
 from tasks.aliases import reconcile_registry
 from tasks.flow_outcome import REFUSED, form_values, keep_last_word, run_or_end
 from tasks.gauntlet_queue import GauntletQueue, QueueTarget
+from tasks.goodput import report_goodput
 from tasks.mlflow_run import open_run, record_run, resolved_uri, served_elsewhere
 from tasks.recipe import (
     NAME_PATTERN,
@@ -51,17 +52,8 @@ from tasks.run_record import (
 )
 from tasks.run_slot import one_per_run, run_tag
 from tasks.runtime import prepare_process
-from tasks.train import (
-    MlflowTarget,
-    TrainJob,
-    allow_launches,
-    deliver_metrics,
-    make_job,
-    report_goodput,
-    stage_task,
-    stop_launched_jobs,
-    write_job,
-)
+from tasks.train import MlflowTarget, TrainJob, allow_launches, deliver_metrics, stage_task, stop_launched_jobs
+from tasks.train_job import make_job, write_job
 
 POLL_SECONDS = 2.0
 

@@ -10,9 +10,10 @@ last_word.py         a stopped flow run's explanation kept as its last state
 stuck_runs.py        flow runs a deleted deployment or limit would leave stuck, ended or unstuck
 prepare.py           the prepare stage's tasks: the tokenizer, the plan, one source each
 train.py             one curriculum stage as a job on the compute backend, relaunched through preemptions
+train_job.py         the job file a stage's trainer reads, resolved from the recipe and the prepared data
 train_progress.py    a job's progress lines relayed to Prefect's log, a progress artifact and a bar
 launch_records.py    the launches of a run, one JSON line each (the no-progress stop and goodput read them)
-goodput.py           the goodput ledger: where a run's wall time went
+goodput.py           the goodput ledger: where a run's wall time went, and the task that reports it
 retry.py             retry conditions: what may be transient, never what fails the same way again
 disk.py              a full disk said in one line, naming the folder and its free space
 artifacts.py         Prefect artifact keys, scoped to the run

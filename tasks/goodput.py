@@ -32,8 +32,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
 from tasks import launch_records
 from trainers import time_records
+from trainers.config import TrainJob
 
 BUCKETS = ("productive", "startup", "compile", "load", "save", "eval", "lost", "hung", "pending", "idle")
 WORDS = {
@@ -260,3 +265,30 @@ def report(run_dir: str | Path, job) -> Goodput:
         for file in ("goodput.md", "goodput.json", "goodput.png"):
             retrying(f"logging goodput/{file}", lambda f=file: client.log_artifact(run_id, str(folder / f), "goodput"))
     return goodput
+
+
+@task(cache_policy=NO_CACHE, task_run_name="goodput-{stage_name}")
+def report_goodput(job: TrainJob, run_dir: str, stage_name: str) -> float | None:
+    """At a stage's end: where the run's wall time went so far (`report`), as a Prefect artifact and in
+    MLflow. A report: it never fails the run."""
+    try:
+        goodput = report(run_dir, job)
+    except Exception as exc:  # noqa: BLE001
+        get_run_logger().warning("stage %s: the goodput report failed: %s", stage_name, exc)
+        return None
+    if goodput.launches and stage_name in goodput.stages:
+        ratio, wall = goodput.stage_ratio(stage_name)
+        own = goodput.stages[stage_name]
+        get_run_logger().info(
+            "stage %s: goodput %.1f%% of its %.0f s (productive %.0f s, lost %.0f s, hung %.0f s); the run so far "
+            "%.1f%% of %.0f s",
+            stage_name,
+            100 * ratio,
+            wall,
+            own["productive"],
+            own["lost"],
+            own["hung"],
+            100 * goodput.ratio,
+            goodput.wall_s,
+        )
+    return goodput.ratio

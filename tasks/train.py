@@ -34,12 +34,10 @@ from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
 from infra.watchdog import budgets_env
 from tasks import launch_records
-from tasks.data.results import PreparedData
 from tasks.retry import retry_unless
 from tasks.train_progress import ProgressRelay
-from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
+from trainers.config import MlflowTarget, TrainJob
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, FATAL, HOLDER_ENV, INTERRUPTED, OneLineError
-from trainers.format.atomic import atomic_write
 from trainers.progress import parse_damage
 
 USAGE_ERROR = 2  # argparse
@@ -92,54 +90,6 @@ def exit_kind(code: int) -> Literal["ok", "preempted", "failed", "fatal"]:
 
 
 __all__ = ["MlflowTarget", "TrainJob", "allow_launches", "stop_launched_jobs"]  # for flows, which never import infra
-
-
-def local_save_folder(train: TrainConfig, run_name: str, run_dir: Path) -> Path:
-    """The trainer's local checkpoint folder; with an s3:// train.save_folder it is the working copy."""
-    folder = train.save_folder
-    if folder is None or folder.startswith("s3://"):
-        return run_dir / "checkpoints"
-    return Path(folder).resolve() / run_name
-
-
-def make_job(
-    run_name: str,
-    model: ModelConfig,
-    train: TrainConfig,
-    seq_len: int,
-    prepared: PreparedData,
-    seq_len_streams: dict[int, dict[str, str]],
-    every: int,
-    run_dir: Path,
-    mlflow: MlflowTarget,
-) -> TrainJob:
-    """The TrainJob of a run: its model and train sections, resolved against the prepared data."""
-    return TrainJob(
-        run_name=run_name,
-        model=model,
-        train=train,
-        vocab_size=prepared.tokenizer.vocab_size,
-        eos_token_id=prepared.tokenizer.eos_token_id,
-        seq_len=seq_len,
-        streams={name: str(src.path) for name, src in prepared.sources.items()},
-        seq_len_streams=seq_len_streams,
-        val_streams={name: str(src.val_path) for name, src in prepared.sources.items() if src.val_path},
-        save_folder=str(local_save_folder(train, run_name, run_dir)),
-        checkpoint_every_tokens=every,
-        tokenizer_dir=prepared.tokenizer.uri or str(prepared.tokenizer.hf_dir),
-        mlflow=mlflow,
-        compile_cache_dir=str(run_dir / "compile-cache"),  # a pod uses its node's cache volume instead
-    )
-
-
-def write_job(job: TrainJob, path: Path) -> Path:
-    """Publish the job spec atomically and durably: a pod must never read half a file.
-
-    The flow calls it as it starts, before any launch, whatever the file already holds: a job file cut
-    short by a power loss (the trainer refuses it as fatal, since it cannot know the job) is thereby
-    rewritten by the rerun that resumes the run.
-    """
-    return atomic_write(path, job.model_dump_json(indent=2))
 
 
 def _run_once(job, relay: ProgressRelay) -> int:
@@ -413,35 +363,6 @@ def stage_task(compute: ComputeConfig):
     """`train_stage` with the recipe's `compute.max_restarts` as its Prefect retries: failures a relaunch may get
     past (a crash, a lost node over the preemption budget), each from the newest checkpoint."""
     return train_stage.with_options(retries=compute.max_restarts)
-
-
-@task(cache_policy=NO_CACHE, task_run_name="goodput-{stage_name}")
-def report_goodput(job: TrainJob, run_dir: str, stage_name: str) -> float | None:
-    """At a stage's end: where the run's wall time went so far (tasks/goodput.py), as a Prefect artifact and in
-    MLflow. A report: it never fails the run."""
-    from tasks.goodput import report
-
-    try:
-        goodput = report(run_dir, job)
-    except Exception as exc:  # noqa: BLE001
-        get_run_logger().warning("stage %s: the goodput report failed: %s", stage_name, exc)
-        return None
-    if goodput.launches and stage_name in goodput.stages:
-        ratio, wall = goodput.stage_ratio(stage_name)
-        own = goodput.stages[stage_name]
-        get_run_logger().info(
-            "stage %s: goodput %.1f%% of its %.0f s (productive %.0f s, lost %.0f s, hung %.0f s); the run so far "
-            "%.1f%% of %.0f s",
-            stage_name,
-            100 * ratio,
-            wall,
-            own["productive"],
-            own["lost"],
-            own["hung"],
-            100 * goodput.ratio,
-            goodput.wall_s,
-        )
-    return goodput.ratio
 
 
 @task(cache_policy=NO_CACHE)

@@ -27,7 +27,7 @@ from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER
 from tasks.data.results import PreparedData, PreparedSource
 from tasks.data.tokenizer import TokenizerInfo, token_dtype
 from tasks.recipe import Recipe, load_recipe
-from tasks.train import make_job, write_job
+from tasks.train_job import make_job, write_job
 from tests.conftest import ROOT
 from tests.test_k8s_manifests import K8S_VERSIONS, _by_kind, _core_objects
 from tests.test_k8s_manifests import jobset_schema as _jobset_schema_fixture
