@@ -231,7 +231,7 @@ def recipe_schema(schema: dict[str, Any], recipe) -> dict[str, Any]:
     def bound(props: dict[str, Any]) -> None:
         if "eval_every" in props:
             props["eval_every"]["multipleOf"] = batch * seq_len
-        if {"stage", "tokens"} <= set(props):  # a stage budget row (flows/recipe.StageBudget)
+        if {"stage", "tokens"} <= set(props):  # a stage budget row (tasks/recipe_form.StageBudget)
             props["stage"]["enum"] = [s.name for s in recipe.train.stages]
             props["tokens"]["multipleOf"] = math.gcd(*steps)
 

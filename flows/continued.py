@@ -30,7 +30,8 @@ from tasks.artifacts import artifact_key
 from tasks.flow_outcome import form_values, run_or_end
 from tasks.mlflow_run import client_for
 from tasks.promote import Decision, champion_version, promote_challenger
-from tasks.recipe import NAME_PATTERN, Recipe, form_input, load_recipe
+from tasks.recipe import NAME_PATTERN, Recipe, load_recipe
+from tasks.recipe_form import form_input
 from tasks.register import CHAMPION_ALIAS, checkpoint_of
 from tasks.run_record import record_flow_run_end, rename_flow_run, stays_of, tag_flow_run
 from tasks.runtime import prepare_process

@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
-from tasks.recipe import form_input
+from tasks.recipe_form import form_input
 from tasks.score import comparison_gains, score_model, write_reports
 
 

@@ -26,15 +26,8 @@ from tasks.flow_outcome import REFUSED, form_values, keep_last_word, run_or_end
 from tasks.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.goodput import report_goodput
 from tasks.mlflow_run import open_run, record_run, resolved_uri, served_elsewhere
-from tasks.recipe import (
-    NAME_PATTERN,
-    Recipe,
-    RecipeOverrides,
-    apply_overrides,
-    form_input,
-    load_recipe,
-    run_folder,
-)
+from tasks.recipe import NAME_PATTERN, Recipe, load_recipe, run_folder
+from tasks.recipe_form import RecipeOverrides, apply_overrides, form_input
 from tasks.register import Registration, move_aliases
 from tasks.run_record import (
     bootstrap_champion,

@@ -2,6 +2,7 @@
 
 A run and its stages
 recipe.py            the recipe: the YAML a user edits, validated into one Recipe of each package's sections
+recipe_form.py       the recipe as a Prefect form shows it: plain optional inputs, the overrides a run may make
 runtime.py           what every tessera process sets up first: offline, quiet, one-line errors
 flow_outcome.py      how a training flow run ends as a person should read it: Refused, Cancelled, form errors
 run_slot.py          one live flow run per run name, through a Prefect concurrency limit

@@ -11,10 +11,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evaluation.config import EvalConfig
 from infra.config import ComputeConfig
@@ -140,22 +139,22 @@ class Recipe(BaseModel):
         for i, stage in enumerate(self.train.stages):
             unknown = sorted(set(stage.mixture) - sources)
             if unknown:
-                raise _CrossCheckError(("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}")
+                raise CrossCheckError(("train", "stages", i, "mixture"), f"names no data source: {', '.join(unknown)}")
         misaligned = batch_alignment_error(self.train, self.data.seq_len, self.eval.every)
         if misaligned is not None:
-            raise _CrossCheckError(*misaligned)
+            raise CrossCheckError(*misaligned)
         self._check_batch_split()
         if self.compute.backend == "kubernetes":
             # Pods share no disk with the flow nor with each other, and a restarted pod starts empty.
             for loc, value in ((("data", "root"), self.data.root), (("train", "save_folder"), self.train.save_folder)):
                 if not (value or "").startswith("s3://"):
-                    raise _CrossCheckError(
+                    raise CrossCheckError(
                         loc,
                         f"{value}: must be an s3:// URI with compute.backend kubernetes "
                         "(pods share no disk with the flow or with each other)",
                     )
             if not self.tracking.tracking_uri.startswith(("http://", "https://", "databricks")):
-                raise _CrossCheckError(
+                raise CrossCheckError(
                     ("tracking", "tracking_uri"),
                     f"{self.tracking.tracking_uri}: pods log to "
                     "MLflow over the network; use an http(s):// tracking server",
@@ -194,16 +193,16 @@ class Recipe(BaseModel):
             loc = ("train", "stages", i, "global_batch_size") if own else ("train", "global_batch_size")
             field = f"train.stages[{stage.name}].global_batch_size" if own else "train.global_batch_size"
             if batch % ranks:
-                raise _CrossCheckError(loc, f"{batch} sequences do not split evenly over the {spread}")
+                raise CrossCheckError(loc, f"{batch} sequences do not split evenly over the {spread}")
             share = batch // ranks
             if micro != "auto" and micro < share and share % micro:
-                raise _CrossCheckError(
+                raise CrossCheckError(
                     ("train", "device_microbatch_size"),
                     f"{micro} does not divide the {share} sequences each of the {spread} takes of {field} {batch}",
                 )
 
 
-class _CrossCheckError(Exception):
+class CrossCheckError(Exception):
     """A cross-section failure carrying its recipe location, so it reports like a pydantic one."""
 
     def __init__(self, loc: tuple, msg: str):
@@ -217,7 +216,7 @@ def _check_tokenizer_path(recipe: Recipe) -> None:
     path = recipe.data.tokenizer.path
     if path is not None and not Path(path).exists():
         where = "" if Path(path).is_absolute() else f" (relative paths resolve against {Path.cwd()})"
-        raise _CrossCheckError(("data", "tokenizer", "path"), f"{path} does not exist{where}")
+        raise CrossCheckError(("data", "tokenizer", "path"), f"{path} does not exist{where}")
 
 
 def _locate(node: yaml.Node | None, loc: tuple) -> tuple[int | None, tuple]:
@@ -245,7 +244,7 @@ def _locate(node: yaml.Node | None, loc: tuple) -> tuple[int | None, tuple]:
     return line, tuple(path)
 
 
-def _dotted(loc: tuple) -> str:
+def dotted(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<root>"
 
 
@@ -270,10 +269,10 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         line, loc = _locate(tree, loc)
         msg = err["msg"].removeprefix("Value error, ")
         more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise RecipeError(f"{source}{f':{line}' if line else ''}: {_dotted(loc)}: {msg}{more}") from None
-    except _CrossCheckError as exc:
+        raise RecipeError(f"{source}{f':{line}' if line else ''}: {dotted(loc)}: {msg}{more}") from None
+    except CrossCheckError as exc:
         line, loc = _locate(tree, exc.loc)
-        raise RecipeError(f"{source}{f':{line}' if line else ''}: {_dotted(loc)}: {exc.msg}") from None
+        raise RecipeError(f"{source}{f':{line}' if line else ''}: {dotted(loc)}: {exc.msg}") from None
     return recipe
 
 
@@ -286,129 +285,3 @@ def load_recipe(path: str | Path) -> Recipe:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read recipe: {exc}") from None
     return parse_recipe(text, str(path))
-
-
-def _no_default(schema: dict) -> None:
-    schema.pop("default", None)
-
-
-def form_input(schema: dict) -> tuple:
-    """Annotations that show an optional field in the Prefect form as one plain input, starting empty.
-
-    Pydantic would write `anyOf: [<type>, null]` with `default: null`: the Prefect UI renders that as a
-    `str | None` switch that must be clicked before typing, and a plain input with a null default fails
-    its own validation ("None is not of type 'integer'"). With neither, a field left empty is not sent,
-    and the parameter model's default (None: the recipe's value) applies.
-    """
-    return WithJsonSchema(schema), Field(json_schema_extra=_no_default)
-
-
-class StageBudget(BaseModel):
-    """One row of the form's stage budgets."""
-
-    stage: str = Field(..., min_length=1, description="A stage name of the recipe (train.stages[].name).")
-    tokens: PositiveInt = Field(
-        ..., description="Tokens this stage trains on: a multiple of its global_batch_size x seq_len."
-    )
-
-
-class RecipeOverrides(BaseModel):
-    """Fields a person changes from the Prefect form without editing the recipe; left empty, the recipe's value stays.
-
-    Bounds are JSON-schema constraints, so the UI (and a deployment's enforced parameter schema)
-    rejects a bad value before any infrastructure starts; each description states them in words, and
-    the flow validates them again first thing (a run started with the UI's validation switched off).
-    """
-
-    stage_tokens: Annotated[
-        list[StageBudget] | None,
-        *form_input({"type": "array", "items": StageBudget.model_json_schema()}),
-    ] = Field(
-        None,
-        title="Stage budgets (tokens)",
-        description="Token budget of curriculum stages, one row per stage to change (the others keep the "
-        "recipe's). Each budget is a positive multiple of that stage's global_batch_size x seq_len.",
-    )
-    lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
-        None,
-        gt=0,
-        le=1,
-        title="Peak learning rate",
-        description="Peak learning rate (train.optim.lr): above 0 and at most 1.",
-    )
-    eval_every: Annotated[PositiveInt | None, *form_input({"type": "integer", "minimum": 1})] = Field(
-        None,
-        title="Checkpoint every (tokens)",
-        description="Tokens between checkpoints, each evaluated and registered (eval.every): a positive multiple "
-        "of global_batch_size x seq_len.",
-    )
-    backend: Literal["recipe", "local", "kubernetes"] = Field(
-        "recipe",
-        description="Where training runs (compute.backend): `recipe` keeps the recipe's choice, `local` trains in "
-        "processes on the worker's machine, `kubernetes` in pods.",
-    )
-    procs_per_node: Annotated[int | None, *form_input({"type": "integer", "minimum": 1, "maximum": 64})] = Field(
-        None,
-        ge=1,
-        le=64,
-        title="Ranks per node",
-        description="Training processes (ranks) per node (compute.procs_per_node): 1 to 64.",
-    )
-    tracking_uri: Annotated[str | None, *form_input({"type": "string", "minLength": 1})] = Field(
-        None,
-        min_length=1,
-        title="MLflow tracking URI",
-        description="MLflow tracking and registry URI (tracking.tracking_uri), e.g. http://127.0.0.1:5000 or "
-        "sqlite:///path/mlflow.db.",
-    )
-
-    @field_validator("stage_tokens", mode="before")
-    @classmethod
-    def _rows_from_a_mapping(cls, value):
-        # the CLI, the tests and older deployments say {"stage": tokens}; the form says rows
-        if isinstance(value, dict):
-            return [{"stage": k, "tokens": v} for k, v in value.items()]
-        return value
-
-    def updates(self) -> dict[tuple[str, ...], object]:
-        """The recipe paths this form changes, and their new values."""
-        fields = {
-            ("train", "optim", "lr"): self.lr,
-            ("eval", "every"): self.eval_every,
-            ("compute", "backend"): None if self.backend == "recipe" else self.backend,
-            ("compute", "procs_per_node"): self.procs_per_node,
-            ("tracking", "tracking_uri"): self.tracking_uri,
-        }
-        out = {path: value for path, value in fields.items() if value is not None}
-        for row in self.stage_tokens or []:
-            out[("train", "stages", row.stage, "tokens")] = row.tokens
-        return out
-
-
-def apply_overrides(recipe: Recipe, overrides: RecipeOverrides, source: str = "<recipe>") -> Recipe:
-    """A new Recipe with the form's values in place, validated as a whole like the YAML was."""
-    updates = overrides.updates()
-    if not updates:
-        return recipe
-    raw = recipe.model_dump(mode="json")
-    shown = ", ".join(f"{'.'.join(path)}={value}" for path, value in updates.items())
-    where = f"{source} (overrides: {shown})"
-    stages = {stage["name"]: i for i, stage in enumerate(raw["train"]["stages"])}
-    for path, value in updates.items():
-        node = raw
-        for key in path[:-1]:
-            if isinstance(node, list):  # stages are addressed by name in the form, by index in the recipe
-                if key not in stages:
-                    raise RecipeError(f"{where}: stage_tokens: no stage named {key!r} (stages: {', '.join(stages)})")
-                key = stages[key]
-            node = node[key]
-        node[path[-1]] = value
-    try:
-        edited = Recipe.model_validate(raw)
-        edited.cross_check()
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise RecipeError(f"{where}: {_dotted(err['loc'])}: {err['msg'].removeprefix('Value error, ')}") from None
-    except _CrossCheckError as exc:
-        raise RecipeError(f"{where}: {_dotted(exc.loc)}: {exc.msg}") from None
-    return edited

@@ -10,7 +10,8 @@ import pytest
 from flows.pipeline import PipelineParams
 from tasks.artifacts import artifact_key
 from tasks.flow_outcome import form_values
-from tasks.recipe import NAME_PATTERN, RecipeError, apply_overrides, load_recipe
+from tasks.recipe import NAME_PATTERN, RecipeError, load_recipe
+from tasks.recipe_form import apply_overrides
 from tasks.train import exit_kind
 from tasks.train_progress import ProgressRelay, Rate, describe, progress_bar
 from tests.conftest import ROOT
