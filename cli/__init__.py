@@ -4,6 +4,7 @@ main.py          the `tessera` command: its parser, `run`, `prepare`, `status`, 
 models.py        `tessera eval`, `compare`, `promote` and `continue`: the commands about models rather than runs
 k8s.py           `tessera k8s render` and `status`: the Kubernetes backend's objects, without running a flow
 deploy.py        `tessera deploy`: prefect.yaml's deployments published, their forms bounded by a recipe
+forms.py         the published forms' schemas: a recipe's bounds, and every bound where Prefect's UI checks it
 up.py            `tessera up`: Prefect server, a process worker and MLflow on this machine, until Ctrl-C
 up_stack.py      the processes `tessera up` starts and stops, and everything they start in turn
 service_logs.py  errors `tessera up`'s services log, said on its terminal too

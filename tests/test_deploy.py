@@ -16,7 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from cli.deploy import UI_DROPPED_BOUNDS, DeployError, load_project
+from cli.deploy import DeployError, load_project
+from cli.forms import UI_DROPPED_BOUNDS
 from flows.continued import ContinueParams
 from flows.evaluate import EvalParams
 from flows.pipeline import PipelineParams
@@ -182,7 +183,7 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     recipe = load_recipe(served)
     form = deployment(api, "pretrain_pipeline/pretrain")["parameter_openapi_schema"]["definitions"]["PipelineParams"]
     step = recipe.train.global_batch_size * recipe.data.seq_len
-    # (every bound under allOf, where Prefect's UI passes it to its in-place check: flows/deploy.bounds_the_ui_checks)
+    # (every bound under allOf, where Prefect's UI passes it to its in-place check: cli/forms.bounds_the_ui_checks)
     assert form["properties"]["eval_every"]["allOf"] == [{"minimum": 1, "multipleOf": step}]
     assert form["properties"]["lr"]["allOf"] == [{"exclusiveMinimum": 0, "maximum": 1}]
     assert not set(UI_DROPPED_BOUNDS) & (set(form["properties"]["lr"]) | set(form["properties"]["eval_every"]))

@@ -322,7 +322,7 @@ def test_the_forms_bounds_reach_the_check_prefects_ui_makes_in_place():
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools.validation import build_error_obj, preprocess_schema, validate
 
-    from cli.deploy import UI_DROPPED_BOUNDS, bounds_the_ui_checks, recipe_schema
+    from cli.forms import UI_DROPPED_BOUNDS, bounds_the_ui_checks, recipe_schema
     from flows.pipeline import pretrain_pipeline
 
     assert not set(UI_DROPPED_BOUNDS) & _ui_property_keys() and {"allOf", "items"} <= _ui_property_keys()

@@ -78,7 +78,7 @@ class Person:
         stages = [s.name for s in load_recipe(str(self.stack.recipe)).train.stages]
         for i, (stage, tokens) in enumerate(budgets or []):
             self.page.get_by_role("button", name="Add item").click()
-            # *Stage* is a choice of the served recipe's stages (flows/deploy.recipe_schema), picked as a person
+            # *Stage* is a choice of the served recipe's stages (cli/forms.recipe_schema), picked as a person
             # does with the keyboard: the first arrow opens the list on its first stage
             choice = self.page.locator(".p-select-button__control").nth(i)
             choice.wait_for()
