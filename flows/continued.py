@@ -178,23 +178,7 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     seen, last_run = consumed_files.consumed(recipe.tracking, name)
     fresh = consumed_files.new_inputs(inputs, seen)
     if not fresh:
-        since = f"since {last_run}" if last_run else "(no continued run yet)"
-        message = f"no new data {since}: {len(inputs)} file(s) under {params.new_data}, all consumed; nothing trained"
-        logger.info(message)
-        create_markdown_artifact(
-            key=artifact_key(recipe.name, "continued", "no-new-data"),
-            markdown=f"{message}\n",
-            description=f"Continued pretraining of {name}",
-        )
-        champion = champion_version(client_for(recipe.tracking), name)
-        rename_flow_run(flow_run.id, f"{_prefix(params.model_dump())}-cpt-no-new-data")
-        return ContinueResult(
-            run_name="",
-            base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
-            new_files=0,
-            trained=False,
-            champion=int(champion) if champion else None,
-        )
+        return _nothing_new(recipe, params, len(inputs), last_run)
     base_mv = continuation.base_version(recipe.tracking, params.base)
     name, version = base_mv.name, str(base_mv.version)
     base_uri = f"models:/{name}/{version}"
@@ -214,62 +198,28 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
     budget = continuation.whole_steps(
         recipe, params.tokens or _one_pass(recipe, source, tokenizer, params.replay_fraction)
     )
+    how = params.model_dump(include=set(continuation.HOW))  # replay, rewarm, LR, schedule, promotion bounds
+    checkpoint = checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version)
     continued = continuation.continued_recipe(
-        recipe,
-        params.recipe,
-        base_uri=base_uri,
-        checkpoint=checkpoint_of(client_for(recipe.tracking), base_mv.name, base_mv.version),
-        source=source,
-        tokenizer=tokenizer,
-        budget=budget,
-        replay_fraction=params.replay_fraction,
-        rewarm_fraction=params.rewarm_fraction,
-        lr=params.lr,
-        schedule=params.schedule,
-        min_gain=params.min_gain,
-        max_category_drop=params.max_category_drop,
-    )
-    logger.info(
-        "continued run %s: %d tokens (%.0f%% replay of %s), LR %g rewarmed over %d tokens then %s decay",
-        run_name,
-        budget,
-        100 * params.replay_fraction,
-        ", ".join(recipe.train.stages[-1].mixture),
-        continued.train.optim.lr,
-        continued.train.optim.warmup_tokens,
-        params.schedule,
-    )
+        recipe, params.recipe, base_uri=base_uri, checkpoint=checkpoint, source=source, tokenizer=tokenizer,
+        budget=budget, **how,
+    )  # fmt: skip
+    logger.info("%s", continuation.describe(run_name, recipe, continued, budget, params.replay_fraction))
 
+    run_tags = {
+        consumed_files.MODEL_TAG: name,
+        "tessera.continued_from": base_uri,
+        "tessera.new_data": params.new_data,
+        "tessera.new_files": str(len(fresh)),
+    }
     result = run_or_end(
         run_name,
         lambda: run_pipeline(
-            continued,
-            run_name,
-            params.recipe,
-            params.if_running,
-            run_tags={
-                consumed_files.MODEL_TAG: name,
-                "tessera.continued_from": base_uri,
-                "tessera.new_data": params.new_data,
-                "tessera.new_files": str(len(fresh)),
-            },
-            version_tags={"continued_from": f"v{version}"},
+            continued, run_name, params.recipe, params.if_running, run_tags, {"continued_from": f"v{version}"}
         ),
         stays=lambda: stays_of(continued, run_name),
     )
-    challenger = continuation.challenger(continued.tracking, name, result.mlflow_run_id)
-    decision, champion = (None, None)
-    if challenger is not None:
-        decision, champion = promote_challenger(
-            continued.eval,
-            continued.tracking,
-            continued.promote,
-            run_name,
-            result.mlflow_run_id,
-            challenger,
-            continued.data.seq_len,
-            continued.compute,
-        )
+    challenger, decision, champion = _promote(continued, name, run_name, result.mlflow_run_id)
     # Only now do the files count as consumed: a run that failed before here trains on them again.
     consumed_files.record(
         continued.tracking,
@@ -288,6 +238,47 @@ def continued_pretraining(params: ContinueParams) -> ContinueResult:
         champion=champion,
     )
     return outcome if decision is None else _verdict_state(outcome)
+
+
+def _nothing_new(recipe: Recipe, params: ContinueParams, files: int, last_run: str | None) -> ContinueResult:
+    """A run with no new data says so (log, artifact, the flow run's name) and ends, training nothing."""
+    name = recipe.tracking.registered_model
+    since = f"since {last_run}" if last_run else "(no continued run yet)"
+    message = f"no new data {since}: {files} file(s) under {params.new_data}, all consumed; nothing trained"
+    get_run_logger().info(message)
+    create_markdown_artifact(
+        key=artifact_key(recipe.name, "continued", "no-new-data"),
+        markdown=f"{message}\n",
+        description=f"Continued pretraining of {name}",
+    )
+    champion = champion_version(client_for(recipe.tracking), name)
+    rename_flow_run(flow_run.id, f"{_prefix(params.model_dump())}-cpt-no-new-data")
+    return ContinueResult(
+        run_name="",
+        base=params.base or f"models:/{name}@{CHAMPION_ALIAS}",
+        new_files=0,
+        trained=False,
+        champion=int(champion) if champion else None,
+    )
+
+
+def _promote(continued: Recipe, name: str, run_name: str, mlflow_run_id: str):
+    """(challenger, decision, champion after): the run's best version against the champion, by the recipe's rule;
+    all None when the run registered nothing."""
+    challenger = continuation.challenger(continued.tracking, name, mlflow_run_id)
+    if challenger is None:
+        return None, None, None
+    decision, champion = promote_challenger(
+        continued.eval,
+        continued.tracking,
+        continued.promote,
+        run_name,
+        mlflow_run_id,
+        challenger,
+        continued.data.seq_len,
+        continued.compute,
+    )
+    return challenger, decision, champion
 
 
 PROMOTED, NOT_PROMOTED = "Promoted", "Not promoted"

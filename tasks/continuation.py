@@ -96,6 +96,20 @@ def run_name(prefix: str, version: str, files: list[Consumed]) -> str:
     return f"{prefix}-cpt-v{version}-{digest.hexdigest()[:8]}"
 
 
+# What the form says of how to continue, as `derive` takes it.
+HOW = ("replay_fraction", "rewarm_fraction", "lr", "schedule", "min_gain", "max_category_drop")
+
+
+def describe(run_name: str, recipe: Recipe, continued: Recipe, budget: int, replay_fraction: float) -> str:
+    """The line that says what the continued run trains."""
+    optim = continued.train.optim
+    return (
+        f"continued run {run_name}: {budget} tokens ({100 * replay_fraction:.0f}% replay of "
+        f"{', '.join(recipe.train.stages[-1].mixture)}), LR {optim.lr:g} rewarmed over {optim.warmup_tokens} tokens "
+        f"then {optim.schedule} decay"
+    )
+
+
 def continued_recipe(recipe: Recipe, recipe_path: str, **how) -> Recipe:
     """The continued run's Recipe (`derive`'s arguments in `how`), validated; one line when it is not a valid one."""
     try:
