@@ -135,7 +135,14 @@ TRUST_HELP = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="LLM pretraining pipeline on Prefect.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _model_commands(sub)
+    _service_commands(sub)
+    return parser
 
+
+def _run_commands(sub) -> None:
+    """`run` and `prepare`: a recipe's pipeline, or its data alone."""
     run = sub.add_parser("run", help="Run the whole pipeline on a recipe.")
     run.add_argument("recipe", help="Recipe YAML, e.g. configs/tiny.yaml.")
     run.add_argument("--run-name", default=None, help="Run name (default: the recipe's name); reusing it resumes.")
@@ -151,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("recipe")
     prep.set_defaults(func=cmd_prepare)
 
+
+def _model_commands(sub) -> None:
+    """`eval`, `continue`, `promote` and `compare`: the commands about models (cli/models.py)."""
     ev = sub.add_parser("eval", help="Score a model on an Eval Gauntlet task list.")
     ev.add_argument(
         "--model",
@@ -207,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     cmp_.set_defaults(func=cmd_compare)
 
+
+def _service_commands(sub) -> None:
+    """`status`, `deploy`, `k8s` and `up`: a run's goodput, the deployments, the cluster, the local stack."""
     stat = sub.add_parser("status", help="Where a run's wall time went: its goodput ledger.")
     stat.add_argument("run", help="The run's name.")
     stat.add_argument("--recipe", default="configs/tiny.yaml", help="Recipe whose work_dir holds the run.")
@@ -254,7 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--mlflow-port", type=int, default=5000)
     upp.add_argument("--no-deploy", action="store_true", help="Start the services only; publish no deployments.")
     upp.set_defaults(func=cmd_up)
-    return parser
 
 
 def _flow_run_ended() -> type[BaseException]:
