@@ -11,6 +11,8 @@ job's log and so the task's error message.
 | eviction, preemption, DisruptionTarget, a lost node  | disruption | 76   |
 | the pod's watchdog killed a hung group (exit 79)     | disruption | 76   |
 | the trainer exited non-zero (75, 1, ...)             | failure    | its own code |
+| a Job failed by its DisruptionTarget rule, the pod    | disruption | 76   |
+|   gone before the launcher saw it                    |            |      |
 | JobSet/Job failed with no pod left to explain it     | failure    | 75   |
 | image not pulled within image_pull_timeout_s         | failure    | 75   |
 | the trainer's fatal exit 78                          | fatal      | 78   |
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from infra.manifests import DISRUPTION_MESSAGE
 from trainers.contract import FATAL, HUNG, INTERRUPTED, RETRYABLE
 
 Cause = Literal["done", "disruption", "failure", "fatal"]
@@ -173,4 +176,14 @@ def explain_end(failures: list[PodFailure], what: str, cond: dict | None) -> Out
         worst = most_telling(failures)
         return Outcome(worst.code, worst.cause, f"{what} failed: {worst.message}")
     why = f"{(cond or {}).get('reason', 'Failed')}: {(cond or {}).get('message', '')}".rstrip(": ")
+    if disrupted_by_policy(cond):
+        return Outcome(INTERRUPTED, "disruption", f"{what} failed ({why})")
     return Outcome(RETRYABLE, "failure", f"{what} failed ({why})")
+
+
+def disrupted_by_policy(cond: dict | None) -> bool:
+    """A Job ended by its pod failure policy's DisruptionTarget rule: the Job controller's own condition says a pod
+    was disrupted ("Pod ns/p has condition DisruptionTarget matching FailJob rule at index 1"), also when that pod
+    is already gone by the time the launcher looks (a lost node, or a launcher slow to poll)."""
+    cond = cond or {}
+    return cond.get("reason") == "PodFailurePolicy" and DISRUPTION_MESSAGE in (cond.get("message") or "")

@@ -362,6 +362,25 @@ def test_relaunched_task_reattaches_instead_of_creating_a_second_jobset(api, tmp
     forget(first)  # its process is gone; nothing of it is left to cancel
 
 
+def test_a_job_its_disruption_rule_failed_is_a_disruption_even_with_the_pod_gone():
+    """The Job controller's own condition names the DisruptionTarget rule: a launcher that looks only after the
+    evicted pod is gone (a lost node; a launcher slow to poll under load, as the suite once was) still counts a
+    disruption, not an application failure that spends max_restarts; any other Job failure stays a failure."""
+    from infra.kube_outcome import explain_end
+    from trainers.contract import INTERRUPTED, RETRYABLE
+
+    rule = {
+        "reason": "PodFailurePolicy",
+        "message": "Pod training/p-0 has condition DisruptionTarget matching FailJob rule at index 1",
+    }
+    outcome = explain_end([], "Job j", rule)
+    assert (outcome.code, outcome.cause) == (INTERRUPTED, "disruption") and rule["message"] in outcome.message
+    other = {"reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}
+    assert (explain_end([], "Job j", other).code, explain_end([], "Job j", other).cause) == (RETRYABLE, "failure")
+    fatal_rule = {**rule, "message": "Container trainer for pod training/p-0 failed with exit code 78 matching FailJob"}
+    assert explain_end([], "Job j", fatal_rule).cause == "failure"
+
+
 def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
     c = api.cluster
     name = "tessera-tiny-s0-a0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -244,10 +245,20 @@ def test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up(
     assert [killed["kind"], hung_launch["kind"], done["kind"]] == ["preempted", "preempted", "ok"]
     assert killed["hung"] is None and (killed["tokens_before"], killed["tokens_after"]) == (0, 16 * STEP)
     hung = hung_launch["hung"]
-    assert hung["rank"] == 1 and hung["phase"] == "step" and hung["stopped"] and hung["budget_s"] == 8
+    assert hung["rank"] == 1 and hung["phase"] == "step" and hung["stopped"]
+    # The 8 s floor, unless this machine's steps were slow enough that 10 x their p99 is more (a suite at load:
+    # p99 0.97 s gave 9.7 s once): either way the budget the watchdog reckoned from the work, and said so.
+    learned = re.fullmatch(r"10 x the recent steps' p99 of ([\d.]+) s", hung["why"])
+    if learned is None:
+        assert hung["budget_s"] == 8 and hung["why"].startswith("the step floor"), hung
+    else:
+        assert hung["budget_s"] > 8 and hung["budget_s"] == pytest.approx(10 * float(learned[1]), abs=0.05), hung
     said = [m for m in logs if "the watchdog found" in m]
     assert len(said) == 1 and said[0].startswith("stage s: the watchdog found rank 1 (")
-    assert f"hung in phase step for {hung['silent_s']:.0f} s, over its 8 s budget (the step floor" in said[0]
+    assert (
+        f"hung in phase step for {hung['silent_s']:.0f} s, over its {hung['budget_s']:.0f} s budget ({hung['why']}"
+        in said[0]
+    )
     assert "its process stopped (SIGSTOP)" in said[0] and "(preemption 2 of compute.max_preemptions=" in said[0]
     log = (tmp_path / "logs" / "s" / "rank0.log").read_text()
     assert "--- rank 0: Python stacks (faulthandler)" in log and "--- rank 1: Python stacks (faulthandler)" in log
