@@ -46,7 +46,7 @@ from tasks.run_record import (
 from tasks.run_slot import one_per_run, run_tag
 from tasks.runtime import prepare_process
 from tasks.train import MlflowTarget, TrainJob, allow_launches, deliver_metrics, stage_task, stop_launched_jobs
-from tasks.train_job import make_job, write_job
+from tasks.train_job import checkpoint_store, make_job, write_job
 
 POLL_SECONDS = 2.0
 
@@ -186,7 +186,7 @@ def run_pipeline(
                     recipe_hash=recipe.content_hash(),
                     remote_folder=job.remote_folder,
                 ),
-                run_dir,
+                checkpoint_store(job, recipe.compute, pins=run_dir / "pins"),
                 version_tags or {},
             )
             _train_and_watch(recipe, job, job_path, run_dir, queue, recipe_path)
@@ -211,16 +211,15 @@ def _train_and_watch(
 
     flow_url = flow_run.ui_url or ""
     holder = f"flow run {flow_run.name!r} ({flow_run.id}{', ' + flow_url if flow_url else ''})"
-    save_folder = Path(job.save_folder)
     try:
         for k, stage in enumerate(recipe.train.stages):
             training = stage_task(recipe.compute).submit(
                 str(job_path), k, stage.name, recipe.compute, str(run_dir / "logs"), job.run_name, holder, recipe_path
             )
             while not wait([training], timeout=POLL_SECONDS).done:
-                queue.sweep(save_folder)
+                queue.sweep()
             training.result()
-            queue.sweep(save_folder)
+            queue.sweep()
             report_goodput(job, str(run_dir), stage.name)
         deliver_metrics(job)
     except BaseException:

@@ -20,8 +20,7 @@ disk.py              a full disk said in one line, naming the folder and its fre
 artifacts.py         Prefect artifact keys, scoped to the run
 
 Checkpoints, the gauntlet and the registry
-gauntlet_queue.py    every new checkpoint evaluated, then registered, while training goes on
-pins.py              checkpoints held for the gauntlet against the trainer's keep-last-K
+gauntlet_queue.py    every new checkpoint pinned, evaluated, then registered, while training goes on; its backlog
 evaluate.py          one checkpoint scored, logged to the training run, a markdown artifact left
 score.py             a model scored outside training: `tessera eval`, `compare`, promotion
 register.py          an evaluated checkpoint registered as an MLflow Model version, its aliases moved

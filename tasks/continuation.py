@@ -17,8 +17,8 @@ from tasks.mlflow_run import client_for, retrying
 from tasks.recipe import Recipe, RecipeError
 from tasks.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
-from trainers.contract import OneLineError
-from trainers.remote import fetch_folder
+from trainers.contract import EXIT_FAILED, OneLineError
+from trainers.format.s3 import StoreError, fetch_folder
 
 
 class ContinuationError(OneLineError, ValueError):
@@ -84,7 +84,13 @@ def pinned_tokenizer(data: DataConfig, tracking: TrackingConfig, base_run_id: st
         job = json.loads(Path(client.download_artifacts(base_run_id, "recipe/job.json", tmp)).read_text())
     path = job["tokenizer_dir"]
     if "://" in path:  # published beside the data under an s3:// root; the working copy is usually still here
-        path = str(fetch_folder(path, Path(data.local_root) / Path(path).name))
+        try:
+            path = str(fetch_folder(path, Path(data.local_root) / Path(path).name))
+        except StoreError as exc:
+            error = OneLineError(f"the base run's tokenizer: {exc}")
+            if not exc.lasting:
+                error.exit_code = EXIT_FAILED
+            raise error from exc
     return {**raw, "path": path, "train": None}
 
 

@@ -4,18 +4,21 @@ While a stage trains, the flow calls `GauntletQueue.sweep` every few seconds. Ev
 time in this process (they share the CPU with training; on Kubernetes they are pods, bounded by
 compute.kubernetes.eval_concurrency, a Prefect concurrency limit) and registrations one at a time (alias
 moves must not interleave): each is chained on the one before with Prefect's `wait_for`, so a failed
-evaluation skips only its own registration. Each checkpoint is pinned first (tasks/pins.py) against the
-trainer's keep-last-K rotation, and unpinned once registered; at most `pins.MAX_WAITING` pinned
-checkpoints wait behind the ones being scored, so pins never fill the disk.
+evaluation skips only its own registration. Each checkpoint is pinned first against the trainer's
+keep-last-K rotation, and unpinned once registered; at most `MAX_WAITING` pinned checkpoints wait behind
+the ones being scored (`Backlog`): pins escape keep-last-K, so without the bound they could fill the disk.
+When the gauntlet is slower than the checkpoint interval, the oldest waiting are skipped (and unpinned), each
+named in a log line, and the newest are scored.
 
-On Kubernetes the trainer's folder is in its pods: the queue watches the s3 mirror through one
-RemoteFolder (which reads each manifest once, so a sweep is one LIST), and pins a checkpoint with a
-marker object in it (`pins/<name>`) that the trainer's remote keep-last-K leaves alone.
+The queue reads the run's checkpoints through one CheckpointStore (trainers/format/store.py): the trainer's
+folder, or on Kubernetes, where that folder is in the pods, its s3 mirror (a sweep is one LIST there; each
+manifest is read once). Pinning is the store's: a hard link locally, a marker object in the mirror.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture, wait
@@ -24,11 +27,36 @@ from pydantic import BaseModel, ConfigDict
 
 from evaluation.config import EvalConfig
 from infra.config import ComputeConfig
-from tasks import pins
 from tasks.evaluate import evaluate_checkpoint
 from tasks.register import Registration, existing_registrations, register_checkpoint
 from tasks.tracking_config import TrackingConfig
-from trainers.format.checkpoints import CheckpointInfo, list_complete
+from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.store import CheckpointStore
+
+T = TypeVar("T")
+
+MAX_WAITING = 2  # checkpoints queued behind the one being scored
+
+
+@dataclass
+class Backlog(Generic[T]):
+    """Checkpoints waiting for the gauntlet, oldest first, at most `limit` of them."""
+
+    limit: int = MAX_WAITING
+    waiting: list[T] = field(default_factory=list)
+
+    def add(self, item: T) -> list[T]:
+        """Queue `item`; returns the oldest waiting items skipped to make room."""
+        self.waiting.append(item)
+        skipped = self.waiting[: max(0, len(self.waiting) - self.limit)]
+        del self.waiting[: len(skipped)]
+        return skipped
+
+    def take(self) -> T | None:
+        return self.waiting.pop(0) if self.waiting else None
+
+    def __len__(self) -> int:
+        return len(self.waiting)
 
 
 class QueueTarget(BaseModel):
@@ -51,41 +79,35 @@ class GauntletQueue:
 
     Evaluations run one at a time (they share the CPU with training) and registrations one at a
     time (alias moves must not interleave); a failed evaluation skips only its own registration.
-    Each checkpoint is pinned first (tasks/pins.py), so a keep-last-K cleanup in the trainer cannot
+    Each checkpoint is pinned first (the store's pin), so a keep-last-K cleanup in the trainer cannot
     delete it while it waits to be scored and exported, and unpinned once registered. At most
-    `pins.MAX_WAITING` pinned checkpoints wait behind the one being scored: when the gauntlet is
+    `MAX_WAITING` pinned checkpoints wait behind the one being scored: when the gauntlet is
     slower than the checkpoint interval the oldest are skipped, each named in the log, so pins
     never fill the disk.
     """
 
-    def __init__(self, target: QueueTarget, run_dir: Path, version_tags: dict[str, str] | None = None):
+    def __init__(self, target: QueueTarget, store: CheckpointStore, version_tags: dict[str, str] | None = None):
         self.target, self.run_id, self.run_name = target, target.run_id, target.run_name
         # A version is a promotion candidate only if scored on the whole gauntlet: a missing task
         # file fails its evaluation (and so skips its registration) instead of scoring a part of it.
         self.eval_cfg = target.eval.model_copy(update={"strict": True})
         self.remote_folder, self.version_tags = target.remote_folder, version_tags or {}
-        self.pins = run_dir / "pins"
-        # On Kubernetes: the s3 mirror, watched and pinned through one RemoteFolder, which remembers the manifests
-        # it has read (boto3: only when there is a remote folder to read).
-        self.remote = None
-        if self._in_pods:
-            from trainers.remote import RemoteFolder
-
-            self.remote = RemoteFolder(self.remote_folder)
-        # Pins a crashed flow left: what is still in the save folder is pinned again as it is found.
-        stale = pins.drop_stale(self.pins) + (self.remote.drop_pins() if self.remote else [])
+        self.store = store  # one store for the queue's life: the s3 face remembers the manifests it has read
+        # Pins a crashed flow left (one flow runs per run name, tasks/run_slot.py): what is still in the save folder
+        # is pinned again as it is found.
+        stale = store.drop_pins()
         if stale:
             get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
-        self.backlog: pins.Backlog[tuple[CheckpointInfo, CheckpointInfo]] = pins.Backlog()  # (checkpoint, pinned)
+        self.backlog: Backlog[tuple[CheckpointInfo, CheckpointInfo]] = Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
         self.pending: list[tuple[PrefectFuture, PrefectFuture]] = []  # (evaluation, registration)
         self.held: list[tuple[PrefectFuture, CheckpointInfo]] = []  # (registration, pinned): unpinned once done
         self.done: list[Registration] = []
         self.already = existing_registrations(target.tracking, self.run_id)
 
-    def sweep(self, save_folder: Path) -> None:
+    def sweep(self) -> None:
         self._unpin_finished()
-        for ckpt in self._complete(save_folder):
+        for ckpt in self.store.complete():
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
                 self._enqueue(ckpt)
@@ -96,8 +118,8 @@ class GauntletQueue:
         if ckpt.tokens in self.already:  # a rerun: evaluated and registered before
             self.done.append(self.already[ckpt.tokens])
             return
-        pinned = self._pin(ckpt)
-        if pinned is None:
+        pinned = self.store.pin(ckpt)
+        if pinned is None:  # keep-last-K rotated it out first (the store says so in the log)
             return
         for skipped, held in self.backlog.add((ckpt, pinned)):
             get_run_logger().warning(
@@ -105,9 +127,9 @@ class GauntletQueue:
                 "%d newer checkpoints are waiting",
                 skipped.tokens,
                 skipped.path,
-                pins.MAX_WAITING,
+                MAX_WAITING,
             )
-            self._unpin(held)
+            self.store.unpin(held)
 
     def _scoring(self) -> bool:
         """As many evaluations are running as may run at once (local futures: no API round trip): one in this
@@ -129,30 +151,6 @@ class GauntletQueue:
     def _in_pods(self) -> bool:
         return self.target.compute.backend == "kubernetes"
 
-    def _complete(self, save_folder: Path) -> list[CheckpointInfo]:
-        if self.remote is not None:  # the trainer's folder is in its pod: watch the s3 mirror
-            return self.remote.complete()
-        return list_complete(save_folder)
-
-    def _pin(self, ckpt: CheckpointInfo) -> CheckpointInfo | None:
-        if self.remote is not None:  # the evaluation pod reads it from s3: a marker there holds it
-            if self.remote.pin(ckpt):
-                return ckpt
-            get_run_logger().warning(
-                "checkpoint %s was deleted before it could be pinned (keep-last-K rotated it out): "
-                "it will not be evaluated or registered",
-                ckpt.path,
-            )
-            return None
-        held = pins.pin(ckpt.path, self.pins)
-        return None if held is None else ckpt.model_copy(update={"path": str(held)})
-
-    def _unpin(self, pinned: CheckpointInfo) -> None:
-        if self.remote is not None:
-            self.remote.unpin(Path(pinned.path).name)
-        else:
-            pins.unpin(Path(pinned.path))
-
     def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
         previous = self.pending[-1] if self.pending else None
         summary = evaluate_checkpoint.submit(
@@ -169,7 +167,7 @@ class GauntletQueue:
         )
         # The version records where the checkpoint itself lives (not the pin, which goes once registered),
         # so continued pretraining can find its optimizer state.
-        where = f"{self.remote_folder}/{Path(ckpt.path).name}" if self.remote_folder else ckpt.path
+        where = self.store.where(ckpt)
         registration = register_checkpoint.submit(
             pinned,
             summary,
@@ -188,7 +186,7 @@ class GauntletQueue:
         finished = wait([r for r, _ in self.held], timeout=0).done  # local futures: no API round trip
         for registration, pinned in self.held:
             if registration in finished:
-                self._unpin(pinned)
+                self.store.unpin(pinned)
         self.held = [(registration, pinned) for registration, pinned in self.held if registration not in finished]
 
     def results(self) -> list[Registration]:

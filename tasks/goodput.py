@@ -37,6 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from tasks import launch_records
+from tasks.train_job import checkpoint_store
 from trainers import time_records
 from trainers.config import TrainJob
 
@@ -206,21 +207,17 @@ def chart(goodput: Goodput, path: Path) -> Path:
 
 
 def for_job(run_dir: str | Path, job) -> Goodput:
-    """The goodput of `job`'s run; with the ranks in pods, their time records come from the s3 save folder."""
+    """The goodput of `job`'s run, its time records read through the run's checkpoint store: with the ranks in pods,
+    this machine's copy lacks them and the s3 save folder has them."""
     import tempfile
 
-    save_folder = Path(job.save_folder)
-    if job.remote_folder and not time_records.path(save_folder, job.run_name).exists():
-        from trainers.remote import RemoteFolder
-
-        name = time_records.path(save_folder, job.run_name).name
-        with tempfile.TemporaryDirectory(prefix="tessera-goodput-") as tmp:
-            try:
-                (Path(tmp) / name).write_text(RemoteFolder(job.remote_folder)._get_text(name))
-            except Exception:  # noqa: BLE001 - none written yet: every launch's time is unaccounted
-                pass
-            return compute(run_dir, tmp, job.run_name)
-    return compute(run_dir, save_folder, job.run_name)
+    name = time_records.path(job.save_folder, job.run_name).name
+    with tempfile.TemporaryDirectory(prefix="tessera-goodput-") as tmp:
+        try:
+            (Path(tmp) / name).write_text(checkpoint_store(job).read_text(name))
+        except FileNotFoundError:  # none written yet: every launch's time is unaccounted
+            pass
+        return compute(run_dir, tmp, job.run_name)
 
 
 def report(run_dir: str | Path, job) -> Goodput:

@@ -35,6 +35,7 @@ from infra.config import ComputeConfig
 from infra.watchdog import budgets_env
 from tasks import launch_records
 from tasks.retry import retry_unless
+from tasks.train_job import checkpoint_store
 from tasks.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, TrainJob
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, FATAL, HOLDER_ENV, INTERRUPTED, OneLineError
@@ -275,17 +276,9 @@ def _newest_tokens(spec: TrainJob, compute: ComputeConfig) -> int:
 
 
 def newest_checkpoint(spec: TrainJob, compute: ComputeConfig):
-    """The run's newest complete checkpoint, where the trainer writes it (the s3 mirror when the ranks run in pods,
-    whose disks the flow never sees); None when there is none."""
-    from trainers.format.checkpoints import list_complete
-
-    if compute.backend != "local" and spec.remote_folder:
-        from trainers.remote import RemoteFolder
-
-        done = RemoteFolder(spec.remote_folder).complete()
-    else:
-        done = list_complete(spec.save_folder)
-    return max(done, key=lambda c: c.tokens, default=None)
+    """The run's newest complete checkpoint where the flow can read it (tasks/train_job.checkpoint_store); None when
+    there is none."""
+    return checkpoint_store(spec, compute).newest()
 
 
 def what_stays(job_path: Path, compute: ComputeConfig) -> str:

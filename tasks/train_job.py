@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from infra.config import ComputeConfig
 from tasks.data.results import PreparedData
 from trainers.config import MlflowTarget, ModelConfig, TrainConfig, TrainJob
 from trainers.format.atomic import atomic_write
+from trainers.format.store import CheckpointStore, open_store
 
 
 def local_save_folder(train: TrainConfig, run_name: str, run_dir: Path) -> Path:
@@ -49,6 +51,13 @@ def make_job(
         mlflow=mlflow,
         compile_cache_dir=str(run_dir / "compile-cache"),  # a pod uses its node's cache volume instead
     )
+
+
+def checkpoint_store(job: TrainJob, compute: ComputeConfig | None = None, pins: Path | None = None) -> CheckpointStore:
+    """Where the flow reads the run's checkpoints: the s3 mirror when the ranks run in pods (whose disks the flow
+    never sees), else the trainer's own folder (with an s3 save folder, the mirror's working copy)."""
+    elsewhere = compute is not None and compute.backend != "local"
+    return open_store(job.save_folder, job.remote_folder, pins, folder_elsewhere=elsewhere)
 
 
 def write_job(job: TrainJob, path: Path) -> Path:

@@ -213,8 +213,8 @@ def test_keep_last_leaves_pinned_checkpoints_and_unpinning_lets_rotation_remove_
     mirror.keep_last(1)
     assert [c.tokens for c in mirror.complete()] == [256, 512, 768, 1280]  # 1024 was the one unpinned old one
     assert "tiny-s0-tok1024-rank0.pt" not in _objects(moto_s3)
-    mirror.unpin(Path(ckpts[0].path).name)
-    mirror.unpin(Path(ckpts[1].path).name)
+    mirror.unpin(ckpts[0])
+    mirror.unpin(ckpts[1])
     mirror.keep_last(1)
     assert [c.tokens for c in mirror.complete()] == [768, 1280]
     assert _objects(moto_s3) == {
@@ -247,12 +247,13 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
     mirror, moto_s3, tmp_path, monkeypatch
 ):
     """The flow's side, on Kubernetes: a crashed flow's pin is dropped at start; each new checkpoint in the mirror
-    is pinned there; with evaluations busy, only pins.MAX_WAITING wait and the older are skipped and unpinned."""
+    is pinned there; with evaluations busy, only MAX_WAITING wait and the older are skipped and unpinned."""
     from evaluation.config import EvalConfig
     from infra.config import ComputeConfig
-    from tasks import gauntlet_queue, pins
-    from tasks.gauntlet_queue import GauntletQueue, QueueTarget
+    from tasks import gauntlet_queue
+    from tasks.gauntlet_queue import MAX_WAITING, GauntletQueue, QueueTarget
     from tasks.tracking_config import TrackingConfig
+    from trainers.format.store import S3Checkpoints
 
     ckpts = _checkpoints(tmp_path, [256, 512, 768, 1024, 1280])
     for info in ckpts:
@@ -280,17 +281,17 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
         recipe_hash="h",
         remote_folder="s3://ckpts/runs/tiny",
     )
-    queue = GauntletQueue(target, tmp_path / "run")
+    queue = GauntletQueue(target, S3Checkpoints(target.remote_folder))
     assert said == ["dropped 1 pin(s) an earlier flow left behind: tiny-s0-tok128-rank0.pt"]
-    queue.sweep(tmp_path / "unused")
-    waiting = {Path(c.path).name for c in ckpts[-pins.MAX_WAITING :]}
+    queue.sweep()
+    waiting = {Path(c.path).name for c in ckpts[-MAX_WAITING:]}
     assert mirror.pinned() == waiting
-    for skipped in ckpts[: -pins.MAX_WAITING]:
+    for skipped in ckpts[:-MAX_WAITING]:
         assert any(f"skipping the gauntlet for the checkpoint at {skipped.tokens} tokens" in line for line in said)
     mirror.keep_last(1)  # the trainer rotates meanwhile: what waits for the gauntlet stays
     assert [c.tokens for c in mirror.complete()] == [1024, 1280]
     busy[0] = False
-    queue.sweep(tmp_path / "unused")
+    queue.sweep()
     assert submitted == [1024, 1280]
 
 
@@ -306,7 +307,7 @@ def test_a_poll_of_the_mirror_gets_only_the_manifests_it_has_not_read(mirror, mo
         trainer.upload_now(info)
     calls: list[str] = []
     for op in ("GetObject", "ListObjectsV2"):
-        mirror.store.client.meta.events.register(f"before-send.s3.{op}", lambda op=op, **_: calls.append(op))
+        mirror.client.meta.events.register(f"before-send.s3.{op}", lambda op=op, **_: calls.append(op))
 
     assert [c.tokens for c in mirror.complete()] == [256, 512]
     assert calls.count("GetObject") == 2 and calls.count("ListObjectsV2") == 1

@@ -167,8 +167,8 @@ def test_a_cut_short_local_stages_record_takes_the_mirrors_whole_copy(tmp_path, 
     _cut(stages, how)
     mirror = RemoteFolder.__new__(RemoteFolder)  # the object store is not what this test is about
     mirror.uri = "s3://bucket/run"
-    mirror._names = lambda sub="": {stages.name}
-    mirror._get_text = lambda name: json.dumps(whole)
+    mirror.names = lambda sub="": {stages.name}
+    mirror.read_text = lambda name: json.dumps(whole)
     mirror.pull_json_list(stages)
     assert stages.read_bytes() == clean
 

@@ -267,7 +267,7 @@ def test_no_module_imports_by_name_at_run_time_or_relatively():
 
 # Packages whose __init__ docstring indexes their modules, one a line (`name.py  what it is`, or `name  ...`,
 # `name/  ...` for a subpackage): the index must name exactly the modules there are.
-INDEXED = ("cli", "flows", "tasks", "tasks/data", "trainers", "evaluation")
+INDEXED = ("cli", "flows", "tasks", "tasks/data", "trainers", "trainers/format", "evaluation")
 
 
 def index_drift(package: str) -> tuple[set[str], set[str]]:
@@ -285,16 +285,18 @@ def test_a_package_index_names_every_module_and_only_those(package):
     assert index_drift(package) == (set(), set())
 
 
-# What each trainers module other than layout.py removes; a checkpoint is none of it. layout.py removes
-# local checkpoints (discard, retire, withdraw) and remote.py's `retire` remote ones (through the object
-# store's delete_object, which this check does not count: no other module holds a store).
+# What each trainers module other than layout.py and format/store.py removes; a checkpoint is none of it.
+# layout.py decides a local checkpoint's removal (discard, retire, withdraw); format/store.py deletes (`remove`,
+# the stores' `retire`, the manifest first) and drops pins; an s3 checkpoint goes through the s3 face's delete_object,
+# which this check does not count: no other module holds a client.
 REMOVES_OTHER_FILES = {
     "atomic": "its own temp file, when a state file's write fails before the rename",
     "data_check": "a damaged cached copy of a remote data shard, which Streaming then fetches and validates again",
     "faults": "the throttled-writer test hook's own probe file (TESSERA_FAULT=slow-save)",
     "metrics_outbox": "its own write-ahead journal",
     "preflight": "its own probe file, which shows the save folder takes a write",
-    "remote": "hard links staged for an upload (.uploading/) and half-downloaded data folders",
+    "remote": "hard links staged for an upload (.uploading/)",
+    "s3": "a half-downloaded published folder's staging copy",
     "shm": "Streaming's shared-memory segments and locks of dead processes",
 }
 
@@ -310,13 +312,14 @@ def _removals(path: Path) -> int:
     return count
 
 
-def test_only_layout_removes_checkpoints():
+def test_only_layout_and_the_store_remove_checkpoints():
     trainers = ROOT / "trainers"
     removing = {p.stem for p in trainers.rglob("*.py") if _removals(p)}
-    assert "layout" in removing
-    assert removing - {"layout"} == set(REMOVES_OTHER_FILES), (
+    assert {"layout", "store"} <= removing
+    assert removing - {"layout", "store"} == set(REMOVES_OTHER_FILES), (
         "a trainers module removes files without being listed; checkpoints are removed only through "
-        f"trainers/layout.py: {sorted(removing - {'layout'} - set(REMOVES_OTHER_FILES))}"
+        "trainers/layout.py and trainers/format/store.py: "
+        f"{sorted(removing - {'layout', 'store'} - set(REMOVES_OTHER_FILES))}"
     )
 
 

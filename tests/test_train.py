@@ -865,7 +865,7 @@ def test_s3_save_folder_resumes_on_a_fresh_node_bitwise_exact(reference, tmp_pat
         "runs/tiny/manifests/tok-000000004096.json",
         "runs/tiny/tiny-s1-tok4096-rank0.pt",
     }
-    assert [s["name"] for s in json.loads(remote._get_text("tiny-stages.json"))] == ["warm", "mix"]
+    assert [s["name"] for s in json.loads(remote.read_text("tiny-stages.json"))] == ["warm", "mix"]
 
     ref_job, _ = reference
     _same_samples_once_each(reference, log)

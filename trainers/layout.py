@@ -11,7 +11,8 @@ Layout of `save_folder` (names are scoped by run_name, so two runs can share a f
 With an s3:// train.save_folder the same names also live remotely (trainers/remote.py, whose
 `retire` is the one place a remote checkpoint is removed).
 
-Every local removal of a checkpoint goes through this module, in one of three ways: `discard` (a
+Every local removal of a checkpoint goes through this module (deleting, through the format's
+`store.remove`), in one of three ways: `discard` (a
 file cut short by a kill, which never had a manifest), `retire` (keep-last-K rotation: manifest
 first, so a watcher never reads a manifest whose file is gone) and `withdraw` (a damaged file:
 manifest removed, file kept as `.corrupt`).
@@ -22,13 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainers.config import TrainJob
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.store import LocalCheckpoints, remove
 
 log = logging.getLogger("tessera.layout")
 
@@ -38,18 +39,6 @@ def atomic_symlink(target: Path, link: Path) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, link.parent), tmp)
     os.replace(tmp, link)
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint, a file or a sharded folder. A folder is renamed aside first, so a kill midway
-    never leaves a partial folder under a checkpoint's name."""
-    if path.is_dir() and not path.is_symlink():
-        doomed = path.with_name(f".removing-{path.name}")
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def discard(path: Path) -> None:
@@ -136,8 +125,7 @@ class RunFolder:
     def retire(self, info: CheckpointInfo) -> None:
         """Rotate a published checkpoint out: the manifest first, so a watcher never sees one whose file
         is gone mid-read (an evaluator pins what it reads, tasks/pins.py)."""
-        checkpoints.manifest_path(self.path, info.tokens).unlink(missing_ok=True)
-        remove(Path(info.path))
+        LocalCheckpoints(self.path).retire(info)
 
     def keep_last(self, keep: int | None) -> None:
         """Retire all but the newest `keep` published checkpoints of this run; None keeps all."""

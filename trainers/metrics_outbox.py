@@ -128,12 +128,12 @@ class RemoteCopy:
     def read(self) -> dict | None:
         """{"marker": {...} | None, "journal": "<jsonl>"}, or None where no launch wrote one yet."""
         try:
-            return json.loads(self.remote._get_text(self.name))  # one GET: a missing object is the answer too
+            return json.loads(self.remote.read_text(self.name))  # one GET: a missing object is the answer too
         except FileNotFoundError:
             return None
 
     def write(self, marker: dict | None, journal: str) -> None:
-        self.remote._put_text(self.name, json.dumps({"marker": marker, "journal": journal}))
+        self.remote.put_text(self.name, json.dumps({"marker": marker, "journal": journal}))
 
     def restore(self, folder: str | Path, run_name: str) -> bool:
         """Put the copy on this disk where the disk knows less (a fresh pod's knows nothing); True if it did.

@@ -87,8 +87,8 @@ def _check_remote(uri: str) -> None:
     name = f".tessera-preflight-{uuid.uuid4().hex}"
     try:
         remote = RemoteFolder(uri)
-        remote._put_text(name, "tessera preflight\n")
-        remote._delete(name)
+        remote.put_text(name, "tessera preflight\n")
+        remote.delete(name)
     except Exception as exc:  # noqa: BLE001 - the store's errors vary by backend; each is one line here
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         denied = any(w in text.lower() for w in ("accessdenied", "forbidden", "403", "nosuchbucket", "404"))

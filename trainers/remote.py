@@ -15,9 +15,9 @@ Composer autoresume. With a remote save folder, rank 0 also keeps `<uri>/<run_na
   publish and the upload), and the checkpoint this launch starts from is downloaded when the
   local folder lacks it (a new node, a wiped work_dir). Autoresume then proceeds locally.
 
-Object names mirror the local ones: `<run>-s<K>-tok<T>-rank0.pt`, `manifests/tok-<T>.json`
-(whose `path` is the object's s3:// URI), `<run>-stages.json`, `<run>-rollbacks.json`; and
-`pins/<checkpoint name>`, the flow's markers (tasks/gauntlet_queue.py).
+What the mirror is (object names, listing, pins, retire, publish) is the checkpoint format's s3 face,
+`trainers/format/store.py:S3Checkpoints`, which the flow reads too; this module adds what only the trainer
+does: background uploads with their retries, keep-last-K, reconcile before a launch and the download.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -37,27 +36,29 @@ from pathlib import Path
 from trainers import heartbeat
 from trainers.config import Stage, TrainJob
 from trainers.exit_codes import FatalError, InfrastructureError, RetryableError
-from trainers.format import checkpoints
+from trainers.format import checkpoints, s3
 from trainers.format.atomic import CutShort, atomic_write_json, read_json
 from trainers.format.checkpoints import CheckpointInfo, is_intact
+from trainers.format.s3 import StoreError
+from trainers.format.store import S3Checkpoints, objects_of
 from trainers.layout import RunFolder, discard
 
 log = logging.getLogger("tessera.remote")
 
-DONE = "_DONE"  # the data root's done-marker (tasks/data/outputs.py)
 STAGING_DIR = ".uploading"  # hard links of checkpoints being uploaded; what a kill leaves there is dropped
-PINS_DIR = "pins"  # `pins/<checkpoint name>`: a checkpoint an evaluation reads, which keep-last-K leaves alone
 # A failed upload's backoff: doubling from a second (a blip) up to a minute (an outage: one try a minute is cheap).
 FIRST_RETRY_S, LAST_RETRY_S = 1.0, 60.0
-
-
-def _manifest_name(tokens: int) -> str:
-    return checkpoints.manifest_path("", tokens).as_posix()
 
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _exit_error(exc: StoreError) -> Exception:
+    """The trainer's exit code for a store that failed: fatal when waiting cannot help, else a relaunch."""
+    kind = FatalError if exc.lasting else RetryableError
+    return kind(f"train.save_folder: {exc}")
 
 
 class _Stopped(Exception):
@@ -83,80 +84,37 @@ class _Upload:
         return Path(self.info.path).name
 
 
-class RemoteFolder:
-    """The s3:// mirror of one run's checkpoint folder. Rank 0 only (and the flow, which reads it and pins)."""
+class RemoteFolder(S3Checkpoints):
+    """The trainer's side of the s3 mirror (trainers/format/store.py's S3Checkpoints, which the flow reads): rank 0
+    keeps it in step with the local folder, uploading in the background. Its store errors are exit codes."""
 
     def __init__(self, uri: str):
-        from composer.utils import parse_uri
-        from composer.utils.object_store import S3ObjectStore
-
-        backend, bucket, path = parse_uri(uri)
-        if backend != "s3" or not bucket:
-            raise FatalError(f"train.save_folder: {uri} is not an s3://bucket/prefix URI")
-        self.uri = uri.rstrip("/")
-        self.bucket, self.prefix = bucket, path.strip("/")
-        self.store = S3ObjectStore(bucket=bucket, prefix=self.prefix)
+        try:
+            super().__init__(uri)
+        except StoreError as exc:
+            raise FatalError(f"train.save_folder: {uri} is not an s3://bucket/prefix URI") from exc
         self._uploader = None
         self._stop = threading.Event()
         self._pending: list[_Upload] = []  # in save order; the one worker thread takes them in that order
-        # Manifests already read, by object name: (ETag, what it says). A manifest is written once, whole,
-        # and only deleted on retire, so a poll of the folder GETs only the ones it has not seen.
-        self._manifests: dict[str, tuple[str, CheckpointInfo]] = {}
 
     @classmethod
     def for_job(cls, job: TrainJob) -> RemoteFolder | None:
         return cls(job.remote_folder) if job.remote_folder else None
 
-    # ------------------------------------------------------------ plumbing
-
-    def _listing(self, sub: str = "") -> dict[str, str]:
-        """{object name (relative to the folder): ETag} under `sub`, every page of it; the first call also checks
-        the bucket."""
-        cut = len(self.prefix) + 1 if self.prefix else 0
-        pages = self.store.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self.store.get_key(sub)
-        )
+    def listing(self, sub: str = "") -> dict[str, str]:
         try:
-            return {o["Key"][cut:]: o.get("ETag", "") for page in pages for o in page.get("Contents", [])}
-        except Exception as exc:
-            text = str(exc)
-            if "NoSuchBucket" in text or "does not exist" in text:
-                raise FatalError(f"train.save_folder: {self.uri}: bucket {self.bucket!r} does not exist") from None
-            raise RetryableError(f"train.save_folder: {self.uri}: cannot list objects: {text}") from exc
-
-    def _names(self, sub: str = "") -> set[str]:
-        """Object names (relative to the folder) under `sub`."""
-        return set(self._listing(sub))
-
-    def _get_text(self, name: str) -> str:
-        """One GET (FileNotFoundError if the object is gone)."""
-        from botocore.exceptions import ClientError
-
-        try:
-            reply = self.store.client.get_object(Bucket=self.bucket, Key=self.store.get_key(name))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise FileNotFoundError(f"{self.uri}/{name}") from None
-            raise
-        return reply["Body"].read().decode()
-
-    def _put_text(self, name: str, text: str) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / "obj"
-            local.write_text(text)
-            self.store.upload_object(name, str(local))
-
-    def _delete(self, name: str) -> None:
-        self.store.client.delete_object(Bucket=self.bucket, Key=self.store.get_key(name))
+            return super().listing(sub)
+        except StoreError as exc:
+            raise _exit_error(exc) from exc.__cause__
 
     # ------------------------------------------------------------ run files
 
     def pull_json_list(self, local: Path) -> None:
         """Take the remote copy of an append-only JSON list (trained stages, rollbacks) when it knows more."""
-        if local.name not in self._names(local.name):
+        if local.name not in self.names(local.name):
             return
         try:
-            remote = json.loads(self._get_text(local.name))
+            remote = json.loads(self.read_text(local.name))
         except ValueError:  # never expected (uploads are of whole files); the local copy decides then
             log.warning("%s/%s does not parse: the local copy is used", self.uri, local.name)
             return
@@ -172,7 +130,7 @@ class RemoteFolder:
         failure is a line in the log, never the launch's end. The trained-stages record and the rollback records must
         reach the mirror before the launch goes on, so theirs raise."""
         try:
-            self.store.upload_object(local.name, str(local))
+            self.put_file(local.name, local)
         except Exception as exc:
             if not best_effort:
                 raise
@@ -180,41 +138,9 @@ class RemoteFolder:
 
     # ------------------------------------------------------------ checkpoints
 
-    def complete(self) -> list[CheckpointInfo]:
-        """Checkpoints whose manifest is in the remote folder, oldest first: one LIST, and a GET of each manifest
-        not read before."""
-        listed = {
-            name: etag
-            for name, etag in self._listing(checkpoints.MANIFEST_DIR + "/").items()
-            if name.endswith(".json") and Path(name).name.startswith("tok-")
-        }
-        known = {name: seen for name, seen in self._manifests.items() if listed.get(name) == seen[0]}
-        for name, etag in listed.items():
-            if name in known:
-                continue
-            try:
-                known[name] = (etag, CheckpointInfo.model_validate_json(self._get_text(name)))
-            except FileNotFoundError:  # retired between the LIST and the GET
-                continue
-        self._manifests = known
-        return sorted((info for _, info in known.values()), key=lambda c: c.tokens)
-
     def upload_now(self, info: CheckpointInfo) -> None:
-        """Blocking upload of a local complete checkpoint: the .pt (or the folder's files), then its manifest.
-
-        A sharded checkpoint saved on node-local disks has only this node's shards here: what the others
-        wrote must be in the mirror already, or no manifest goes up (the checkpoint is whole nowhere)."""
-        for name, local in _objects(info):
-            if local.is_file():
-                self.store.upload_object(name, str(local))
-        if self._all_up(info):
-            self._put_manifest(info)
-        else:
-            log.warning("%s: not every shard is here or in %s; not mirrored", info.path, self.uri)
-
-    def _put_manifest(self, info: CheckpointInfo) -> None:
-        remote = info.model_copy(update={"path": f"{self.uri}/{Path(info.path).name}"})
-        self._put_text(_manifest_name(info.tokens), remote.model_dump_json())
+        """Blocking upload of a local complete checkpoint (the store's publish: files, then the manifest)."""
+        self.publish(info)
 
     def download(self, info: CheckpointInfo, folder: Path) -> CheckpointInfo:
         """Fetch a remote checkpoint into the local folder and publish it there."""
@@ -225,10 +151,9 @@ class RemoteFolder:
             return self._download_folder(info, target, folder)
         size = 0
         with contextlib.suppress(Exception):  # the size only sizes the watchdog's budget
-            size = int(self.store.get_object_size(name))
+            size = self.size(name)
         heartbeat.phase("download", hint_bytes=size)
-        # download_object writes a temp file and renames: a kill mid-download leaves no .pt behind.
-        self.store.download_object(name, str(target), overwrite=True)
+        self.get_file(name, target)  # a temp file renamed in: a kill mid-download leaves no .pt behind
         heartbeat.phase("plan")
         if not is_intact(target):
             discard(target)
@@ -246,20 +171,13 @@ class RemoteFolder:
         target.mkdir(parents=True, exist_ok=True)
         try:
             for name in absent:
-                self.store.download_object(f"{target.name}/{name}", str(target / name), overwrite=True)
+                self.get_file(f"{target.name}/{name}", target / name)
         except Exception as exc:
             raise RetryableError(f"train.save_folder: {self.uri}/{target.name}: cannot download: {exc}") from exc
         heartbeat.phase("plan")
         if checkpoints.missing(local):
             raise RetryableError(f"train.save_folder: {self.uri}/{target.name} downloaded incomplete")
         return checkpoints.publish(folder, local)
-
-    def _all_up(self, info: CheckpointInfo) -> bool:
-        """Whether every file of the checkpoint is an object in the mirror (an S3 object appears only whole)."""
-        if not info.sharded:
-            return True
-        there = self._names(f"{Path(info.path).name}/")
-        return all(name in there for name, _ in _objects(info))
 
     def upload_async(
         self,
@@ -287,7 +205,7 @@ class RemoteFolder:
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-upload")
         staged = []
-        for name, source in _objects(info, written_by):
+        for name, source in objects_of(info, written_by):
             link = Path(info.path).parent / STAGING_DIR / name
             link.parent.mkdir(parents=True, exist_ok=True)
             link.unlink(missing_ok=True)
@@ -336,18 +254,18 @@ class RemoteFolder:
         upload.error = None
         while upload.left:
             name, link = upload.left[0]
-            self.store.upload_object(name, str(link))
+            self.put_file(name, link)
             link.unlink(missing_ok=True)
             upload.left.pop(0)
         if not upload.publish:
             return
         # The manifest is the remote done-marker: only once every object it names is up, the other nodes' too.
-        while not self._all_up(upload.info):
+        while not self.all_up(upload.info):
             upload.waiting_for_shards = True
             if self._stop.wait(1):
                 raise _Stopped
         upload.waiting_for_shards = False
-        self._put_manifest(upload.info)
+        self.put_manifest(upload.info)
 
     def pending_bytes(self) -> int:
         """What is still to upload, for the watchdog's budget of the stage's last uploads."""
@@ -376,55 +294,7 @@ class RemoteFolder:
                 )
             wait([head.future], timeout=1)
 
-    # ------------------------------------------------------------ pins: checkpoints an evaluation is reading
-
-    def pin(self, info: CheckpointInfo) -> bool:
-        """Hold a complete checkpoint against keep_last while an evaluation reads it (the flow, on Kubernetes);
-        False if it was retired first.
-
-        The pin is written before the manifest is looked at, and retire() looks for a pin after it has deleted the
-        manifest: whichever comes first, either this sees no manifest (and drops its pin) or retire sees the pin
-        (and puts the manifest back), so a pinned checkpoint's files are never deleted.
-        """
-        name = Path(info.path).name
-        self._put_text(f"{PINS_DIR}/{name}", f"{info.tokens}\n")
-        if _manifest_name(info.tokens) in self._names(_manifest_name(info.tokens)):
-            return True
-        self.unpin(name)
-        return False
-
-    def unpin(self, name: str) -> None:
-        self._delete(f"{PINS_DIR}/{name}")
-
-    def pinned(self) -> set[str]:
-        """Names of the pinned checkpoints."""
-        return {name.removeprefix(f"{PINS_DIR}/") for name in self._names(f"{PINS_DIR}/")}
-
-    def drop_pins(self) -> list[str]:
-        """Every pin, deleted; their names. For a flow that starts: one flow runs per run name, so any pin there
-        is a crashed flow's."""
-        stale = sorted(self.pinned())
-        for name in stale:
-            self.unpin(name)
-        return stale
-
     # ------------------------------------------------------------ rotation
-
-    def retire(self, info: CheckpointInfo) -> bool:
-        """The one place a remote checkpoint is removed: the done-marker first, as locally (layout.py). A
-        checkpoint pinned meanwhile keeps its files and gets its manifest back (pin() says why); False then."""
-        name = Path(info.path).name
-        self._delete(_manifest_name(info.tokens))
-        self._manifests.pop(_manifest_name(info.tokens), None)
-        if f"{PINS_DIR}/{name}" in self._names(f"{PINS_DIR}/{name}"):
-            self._put_text(_manifest_name(info.tokens), info.model_dump_json())
-            return False
-        if info.sharded:
-            for entry in info.files:
-                self._delete(f"{name}/{entry.name}")
-        else:
-            self._delete(name)
-        return True
 
     def keep_last(self, keep: int | None) -> None:
         """Retire all but the newest `keep` complete checkpoints in the mirror, except the pinned ones and any
@@ -449,26 +319,6 @@ class RemoteFolder:
             if not upload.up:
                 log.warning("%s was not mirrored to %s before the launch ended", upload.name, self.uri)
         self._pending = []
-
-
-def _objects(info: CheckpointInfo, written_by: set[int] | None = None) -> list[tuple[str, Path]]:
-    """(object name, local path) of each file of a checkpoint: the .pt, or a sharded folder's files (the
-    `.metadata` last, so a listing never shows an index before the shards it indexes); with `written_by`,
-    only the files those global ranks wrote (`__<rank>_<n>.distcp`; `.metadata` is rank 0's)."""
-    path = Path(info.path)
-    if not info.sharded:
-        return [(path.name, path)]
-    names = sorted((f.name for f in info.files), key=lambda n: n == checkpoints.SHARD_METADATA)
-    if written_by is not None:
-        names = [n for n in names if _writer(n) in written_by]
-    return [(f"{path.name}/{name}", path / name) for name in names]
-
-
-def _writer(name: str) -> int:
-    """The global rank that wrote a file of a sharded checkpoint."""
-    if name == checkpoints.SHARD_METADATA:
-        return 0
-    return int(name.removeprefix("__").split("_", 1)[0])
 
 
 def reconcile(
@@ -501,39 +351,9 @@ def reconcile(
 
 
 def fetch_folder(uri: str, dest: Path) -> Path:
-    """A folder published under an s3:// data root (its done-marker uploaded last), copied to `dest` once.
-
-    Every rank of a node may call this at once: each downloads into its own staging folder and the
-    first rename wins, so `dest` is only ever a complete copy.
-    """
-    from composer.utils import parse_uri
-    from composer.utils.object_store import S3ObjectStore
-
-    if (dest / DONE).is_file():
-        return dest
-    _, bucket, path = parse_uri(uri)
-    store = S3ObjectStore(bucket=bucket, prefix=path)  # keys are relative to `path/` from here on
+    """A folder published under an s3:// data root, copied to `dest` once (the format's fetch_folder), its failure
+    an exit code."""
     try:
-        names = sorted(k[len(store.prefix) :] for k in store.list_objects(""))
-    except Exception as exc:
-        raise RetryableError(f"{uri}: cannot list objects: {exc}") from exc
-    if DONE not in names:
-        raise FatalError(f"{uri}: not a published folder (no {DONE}); prepare the data again")
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent if dest.parent.is_dir() else None))
-    try:
-        for name in names:
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            store.download_object(name, str(staging / name))
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(staging, dest)
-        except OSError:
-            if not (dest / DONE).is_file():
-                raise
-    except FatalError:
-        raise
-    except Exception as exc:
-        raise RetryableError(f"{uri}: cannot download: {exc}") from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return dest
+        return s3.fetch_folder(uri, dest)
+    except StoreError as exc:
+        raise (FatalError if exc.lasting else RetryableError)(str(exc)) from exc

@@ -26,8 +26,8 @@ from tasks.data import interrupt
 from tasks.data.errors import DataError
 from trainers.disk import NO_SPACE_ERRNOS, existing, space
 from trainers.format.atomic import atomic_write_json, fsync_path, fsync_tree
+from trainers.format.s3 import DONE  # one done-marker name, local and in a bucket
 
-DONE = "_DONE"
 PROVENANCE = "provenance.json"
 
 PERMANENT_ERRNOS = {

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from tasks.data import storage
 from tasks.data.errors import DataError
+from trainers.format import s3
+from trainers.format.s3 import DONE
 
-DONE = "_DONE"
 PROVENANCE = "provenance.json"
 
 
@@ -37,16 +37,10 @@ def _key(uri: str) -> tuple[str, str]:
 
 
 def is_done(uri: str) -> bool:
-    from botocore.exceptions import ClientError
-
-    bucket, key = _key(uri)
     try:
-        storage._s3_client().head_object(Bucket=bucket, Key=f"{key}/{DONE}")
-        return True
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return False
-        raise DataError(uri, f"cannot read the data root ({exc})") from exc
+        return s3.folder_done(uri.rstrip("/"))
+    except s3.StoreError as exc:
+        raise DataError(uri, f"cannot read the data root ({exc.__cause__})") from exc
 
 
 def withdraw(uri: str) -> bool:
@@ -65,13 +59,8 @@ def read_provenance(uri: str) -> dict:
 
 
 def publish(local: str, uri: str) -> None:
-    """Upload a finished local output: every file, then the done-marker."""
-    bucket, key = _key(uri)
-    client = storage._s3_client()
-    files = [p for p in sorted(Path(local).rglob("*")) if p.is_file() and p.name != DONE]
+    """Upload a finished local output: every file, then the done-marker (the format's one way to publish a folder)."""
     try:
-        for path in files:
-            client.upload_file(str(path), bucket, f"{key}/{path.relative_to(local).as_posix()}")
-        client.upload_file(str(Path(local) / DONE), bucket, f"{key}/{DONE}")
-    except Exception as exc:  # boto3 raises many types; all mean the bucket cannot take the output
-        raise DataError(uri, f"cannot upload prepared data ({type(exc).__name__}: {exc})") from exc
+        s3.publish_folder(local, uri.rstrip("/"))
+    except s3.StoreError as exc:
+        raise DataError(uri, f"cannot upload prepared data ({exc.why.removeprefix('cannot upload (')}") from exc
