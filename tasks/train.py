@@ -367,14 +367,14 @@ def deliver_metrics(job: TrainJob) -> int:
     counts is the trainer's copy there (a pod's disk is gone, and the flow never sees it): it is
     restored into the flow's working copy of the save folder first, and what is left is written back.
     """
-    from trainers.metrics_outbox import deliver_pending, remote_copy
+    from trainers.metrics_journal import deliver, remote_copy
 
     if job.mlflow is None:
         return 0
     copy = remote_copy(job)
     if copy is not None:
         Path(job.save_folder).mkdir(parents=True, exist_ok=True)
-    left = deliver_pending(job.mlflow, job.save_folder, job.run_name, copy=copy)
+    left = deliver(job.mlflow, job.save_folder, job.run_name, copy=copy)
     if left:
         get_run_logger().warning(
             "%d metric rows of run %s could not reach MLflow yet; they stay in %s and the next "

@@ -65,7 +65,7 @@ def _run(uri: str) -> tuple:
 
 
 def test_a_local_save_folder_keeps_no_remote_copy(tmp_path):
-    from trainers.metrics_outbox import remote_copy
+    from trainers.metrics_journal import remote_copy
 
     target = MlflowTarget(tracking_uri=DEAD, run_id="r")
     assert remote_copy(_job(tmp_path, target, save=str(tmp_path / "saves"))) is None
@@ -78,7 +78,7 @@ def test_the_flow_delivers_what_a_gone_pod_held_back_from_the_s3_copy(tmp_path, 
     nothing."""
     from tasks.train import deliver_metrics
     from trainers.callbacks import MlflowMetrics
-    from trainers.metrics_outbox import journal_path, remote_copy
+    from trainers.metrics_journal import journal_path, remote_copy
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("TESSERA_METRICS_CLOSE_WAIT_S", "0")
@@ -133,7 +133,8 @@ def test_a_step_sent_to_mlflow_is_in_the_s3_marker_first(tmp_path, moto_s3, mlfl
     """Rows between checkpoints go out without a persist: the copy's marker covers them before they are sent, so
     a relaunch on a fresh disk that re-trains them from the last checkpoint does not record them twice."""
     from trainers.callbacks import MlflowMetrics
-    from trainers.metrics_outbox import Outbox, remote_copy
+    from trainers.metrics_journal import remote_copy
+    from trainers.metrics_outbox import Outbox
 
     moto_s3.create_bucket(Bucket=BUCKET)
     client, run_id = _run(mlflow_uri)
@@ -165,7 +166,7 @@ def test_a_disk_that_knows_more_than_the_copy_keeps_its_own(tmp_path, moto_s3):
     """The copy is written from some disk's journal: a disk ahead of it (the same node relaunching) is not set back,
     a fresh one and one behind it are brought up to it."""
     from trainers.format.atomic import atomic_write_json
-    from trainers.metrics_outbox import marker_path, read_marker, remote_copy
+    from trainers.metrics_journal import marker_path, read_marker, remote_copy
 
     moto_s3.create_bucket(Bucket=BUCKET)
     job = _job(tmp_path, MlflowTarget(tracking_uri=DEAD, run_id="r"))
@@ -182,7 +183,8 @@ def test_a_copy_that_cannot_be_written_stops_the_launch_before_its_checkpoint(tm
     """A checkpoint whose rows are not in s3 must not become a fresh disk's resume point: the persist before it
     fails as retryable (the relaunch resumes from the checkpoint before). A close only says so."""
     from trainers.exit_codes import RetryableError
-    from trainers.metrics_outbox import Outbox, remote_copy
+    from trainers.metrics_journal import remote_copy
+    from trainers.metrics_outbox import Outbox
 
     job = _job(tmp_path, MlflowTarget(tracking_uri=DEAD, run_id="r"), save="s3://nowhere/runs")
     disk = Path(job.save_folder)

@@ -264,7 +264,7 @@ def test_a_cut_short_manifest_is_rederived_by_the_next_plan(tmp_path, how):
 
 @pytest.mark.parametrize("how", CUTS)
 def test_a_cut_short_metrics_marker_reads_as_nothing_logged(tmp_path, how):
-    from trainers.metrics_outbox import marker_path, read_marker
+    from trainers.metrics_journal import marker_path, read_marker
 
     marker = marker_path(tmp_path, "tiny")
     atomic_write_json(marker, {"mlflow_run_id": "r1", "tokens": 2048})

@@ -293,6 +293,7 @@ REMOVES_OTHER_FILES = {
     "atomic": "its own temp file, when a state file's write fails before the rename",
     "data_check": "a damaged cached copy of a remote data shard, which Streaming then fetches and validates again",
     "faults": "the throttled-writer test hook's own probe file (TESSERA_FAULT=slow-save)",
+    "metrics_journal": "a journal with nothing left to deliver",
     "metrics_outbox": "its own write-ahead journal",
     "preflight": "its own probe file, which shows the save folder takes a write",
     "remote": "hard links staged for an upload (.uploading/)",

@@ -63,7 +63,7 @@ def test_a_dead_tracking_server_never_reaches_a_step_and_the_next_launch_deliver
     by the end; the next launch (server reachable) delivers them once each, with their original times."""
     from mlflow.tracking import MlflowClient
 
-    from trainers.metrics_outbox import journal_path, marker_path
+    from trainers.metrics_journal import journal_path, marker_path
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -450,7 +450,7 @@ def test_metrics_survive_a_tracking_server_outage(tmp_path, source, outage_s):
     from infra.config import ComputeConfig
     from infra.local import LocalBackend
     from tests.support.training import MlflowServer
-    from trainers.metrics_outbox import journal_path
+    from trainers.metrics_journal import journal_path
     from trainers.progress import parse_progress
 
     with MlflowServer(tmp_path / "mlflow") as server:

@@ -17,10 +17,11 @@ layout.py          the save folder's file names, and the one place that removes 
 plan.py            start plan (resume / enter stage / fresh) after repairing what a kill left
 trained_stages.py  the specs of stages already trained on (appending allowed, editing refused)
 saver.py           which steps are saved, and how a save is published (manifest, then symlink)
-remote.py          the s3 mirror of the save folder, and fetching a folder from s3
+remote.py          rank 0's side of the s3 mirror: background uploads, keep-last-K, reconcile, download
 rollback.py        NaN / spike rollback records and the data skip on relaunch
 callbacks.py       MLflow metrics, progress lines, the loss guard, test probes
 metrics_outbox.py  metrics to MLflow off the step's path: queue, write-ahead journal, shipper thread
+metrics_journal.py  the journal's format (rows, acks, marker, its s3 copy) and the reader that delivers leftovers
 heartbeat.py       this rank's phase and last progress, for the watchdog beside the ranks
 rank_timing.py     where each rank's steps go (data wait, compute, collectives), and which rank is slow
 time_records.py    where a launch's time went, as rank 0 saw it: a JSON line per checkpoint (goodput reads it)

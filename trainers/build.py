@@ -38,7 +38,7 @@ from trainers.format.mlflow_model import download_model
 from trainers.format.safe_load import UnsafeCheckpoint, refusal
 from trainers.layout import RunFolder
 from trainers.lm_loss import use_fused_loss
-from trainers.metrics_outbox import RemoteCopy, remote_copy
+from trainers.metrics_journal import RemoteCopy, remote_copy
 from trainers.optimizer_seed import seed_optimizer
 from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
 from trainers.progress import format_start

@@ -17,7 +17,8 @@ from trainers import heartbeat
 from trainers.compile import compiled_seconds
 from trainers.config import LossGuardConfig, MlflowTarget
 from trainers.exit_codes import LossAnomaly
-from trainers.metrics_outbox import Outbox, RemoteCopy, close_wait_s, marker_path, read_marker
+from trainers.metrics_journal import RemoteCopy, close_wait_s, marker_path, read_marker
+from trainers.metrics_outbox import Outbox
 from trainers.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, format_progress
 
 # A failed launch's own wait for MLflow, before its relaunch (which delivers the journal first).

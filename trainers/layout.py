@@ -124,7 +124,7 @@ class RunFolder:
 
     def retire(self, info: CheckpointInfo) -> None:
         """Rotate a published checkpoint out: the manifest first, so a watcher never sees one whose file
-        is gone mid-read (an evaluator pins what it reads, tasks/pins.py)."""
+        is gone mid-read (an evaluator pins what it reads: the store's pin)."""
         LocalCheckpoints(self.path).retire(info)
 
     def keep_last(self, keep: int | None) -> None:

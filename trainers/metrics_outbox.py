@@ -23,8 +23,7 @@ How:
 - A chunk the server refuses for good (a deleted run, an invalid value) is dropped with a warning,
   so one bad row never holds back the rows after it.
 
-Journal lines: {"seq": n, "run_id": r, "tokens": t | null, "metrics": [[key, value, timestamp_ms,
-step], ...], "tags": [[key, value], ...]} and {"ack": n} (rows up to seq n delivered or dropped).
+The journal's lines, the marker and the remote copy are trainers/metrics_journal.py's format.
 Rows are delivered to the current job's tracking URI, under the run id they were recorded for.
 
 With an s3:// save folder the local folder is a pod's scratch disk, gone with the pod, so the outbox
@@ -39,14 +38,13 @@ never disagree). It is written
 A relaunch restores the copy onto its disk (`RemoteCopy.restore`) before anything reads the marker;
 rows delivered since the last write are sent again from it, and stored once (timestamps, above).
 
-No torch or Composer imports: the flow may deliver a finished run's leftovers with `deliver_pending`
-(holding the run's lease, trainers.folder_lock, so that no trainer writes the journal meanwhile).
+No torch or Composer imports. A journal's leftovers, which no outbox of this launch will send (a finished
+stage's, delivered by the flow), go through metrics_journal.deliver, the format's own reader.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
@@ -54,13 +52,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainers.config import MlflowTarget, TrainJob
+from trainers.config import MlflowTarget
 from trainers.exit_codes import RetryableError
-from trainers.format.atomic import CutShort, atomic_write, atomic_write_json, read_json
-from trainers.remote import RemoteFolder
+from trainers.format.atomic import atomic_write_json
+from trainers.metrics_journal import (
+    FIRST_RETRY_S,
+    MAX_RETRY_S,
+    RemoteCopy,
+    Row,
+    ack,
+    head_chunk,
+    journal_path,
+    lines,
+    marker_or_none,
+    marker_path,
+    one_line,
+    permanent,
+    read_pending,
+    send,
+)
 
 log = logging.getLogger("tessera.train")
 THREAD_NAME = "tessera-mlflow-outbox"
@@ -74,126 +86,6 @@ class _QuietShipper(logging.Filter):
 
 
 logging.getLogger("urllib3.connectionpool").addFilter(_QuietShipper())
-
-CLOSE_WAIT_ENV = "TESSERA_METRICS_CLOSE_WAIT_S"
-DEFAULT_CLOSE_WAIT_S = 120.0
-FIRST_RETRY_S = 1.0
-# The cap bounds how stale the dashboard stays once the server is back; a failing attempt against a
-# dead server costs one refused connection, so retrying every 10 s costs nothing.
-MAX_RETRY_S = 10.0
-# MLflow refuses larger batches (log_batch limits).
-MAX_METRICS, MAX_TAGS = 1000, 100
-# Error codes that mean "never": sending the same chunk again would fail the same way.
-_PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "BAD_REQUEST"}
-
-
-def journal_path(folder: str | Path, run_name: str) -> Path:
-    return Path(folder) / f"{run_name}-metrics-pending.jsonl"
-
-
-def marker_path(folder: str | Path, run_name: str) -> Path:
-    return Path(folder) / f"{run_name}-metrics-logged.json"
-
-
-def read_marker(path: Path, run_id: str) -> int:
-    """Tokens up to which an earlier launch journaled or delivered the metrics of MLflow run `run_id`."""
-    try:
-        marker = read_json(path)
-    except CutShort as why:
-        # Written whole and fsynced now (atomic_write); one cut short by a power loss before that is read as
-        # "nothing logged": the relaunch then logs again the few steps it re-trains after its checkpoint (a
-        # second point at those steps in MLflow) rather than failing a run whose metrics are all safe.
-        log.warning("%s; read as no metrics logged yet", why)
-        return 0
-    if marker is None:
-        return 0
-    return int(marker["tokens"]) if marker.get("mlflow_run_id") == run_id else 0
-
-
-def _marker_or_none(path: Path) -> dict | None:
-    try:
-        return read_json(path)
-    except CutShort:  # as read_marker reads it: nothing logged
-        return None
-
-
-class RemoteCopy:
-    """A run's journal and marker as one object in its s3 save folder (see the module docstring)."""
-
-    def __init__(self, remote: RemoteFolder, run_name: str):
-        self.remote = remote
-        self.name = f"metrics/{run_name}-metrics-outbox.json"
-        self.uri = f"{remote.uri}/{self.name}"
-
-    def read(self) -> dict | None:
-        """{"marker": {...} | None, "journal": "<jsonl>"}, or None where no launch wrote one yet."""
-        try:
-            return json.loads(self.remote.read_text(self.name))  # one GET: a missing object is the answer too
-        except FileNotFoundError:
-            return None
-
-    def write(self, marker: dict | None, journal: str) -> None:
-        self.remote.put_text(self.name, json.dumps({"marker": marker, "journal": journal}))
-
-    def restore(self, folder: str | Path, run_name: str) -> bool:
-        """Put the copy on this disk where the disk knows less (a fresh pod's knows nothing); True if it did.
-
-        The copy is only ever written from some disk's journal, so a disk whose marker is ahead (or as far,
-        with rows of its own still pending) is the one that wrote it, or wrote more since.
-        """
-        copy = self.read()
-        if copy is None:
-            return False
-        journal, marker = journal_path(folder, run_name), marker_path(folder, run_name)
-        mine = _marker_or_none(marker)
-        local_tokens = int(mine["tokens"]) if mine else -1
-        remote_tokens = int(copy["marker"]["tokens"]) if copy["marker"] else -1
-        behind = remote_tokens > local_tokens or (
-            remote_tokens == local_tokens and bool(copy["journal"]) and not journal.exists()
-        )
-        if not behind:
-            return False
-        # The journal before the marker, as the outbox writes them: a kill between the two leaves this
-        # disk behind the copy, and the next launch restores again.
-        if copy["journal"]:
-            atomic_write(journal, copy["journal"])
-        else:
-            journal.unlink(missing_ok=True)
-        if copy["marker"] is not None:
-            atomic_write_json(marker, copy["marker"])
-        log.info("metrics: restored the journal and marker of %s from %s", run_name, self.uri)
-        return True
-
-
-def remote_copy(job: TrainJob) -> RemoteCopy | None:
-    """The outbox's copy in the job's s3 save folder; None for a local save folder (the journal is safe there)."""
-    if job.mlflow is None or not job.remote_folder:
-        return None
-    return RemoteCopy(RemoteFolder(job.remote_folder), job.run_name)
-
-
-@dataclass
-class _Row:
-    run_id: str
-    tokens: int | None  # the step; None for tags
-    metrics: list[tuple[str, float, int, int]]  # (key, value, timestamp_ms, step)
-    tags: list[tuple[str, str]]
-    seq: int = 0
-    size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.size = len(self.metrics) + len(self.tags)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"seq": self.seq, "run_id": self.run_id, "tokens": self.tokens, "metrics": self.metrics, "tags": self.tags}
-        )
-
-    @classmethod
-    def from_record(cls, record: dict) -> _Row:
-        metrics = [(str(k), float(v), int(ts), int(step)) for k, v, ts, step in record["metrics"]]
-        tags = [(str(k), str(v)) for k, v in record["tags"]]
-        return cls(record["run_id"], record["tokens"], metrics, tags, int(record["seq"]))
 
 
 class Outbox:
@@ -222,7 +114,7 @@ class Outbox:
         self._copy_failing = False
         self._cond = threading.Condition()  # guards the queue; never held across I/O
         self._io = threading.Lock()  # serialises journal and marker writes (training thread vs shipper)
-        self._queue: deque[_Row] = deque()
+        self._queue: deque[Row] = deque()
         self._journaled = 0  # the queue's first rows that are in the journal (journaled in order)
         self._seq = 0
         self._accounted = logged_until
@@ -244,7 +136,7 @@ class Outbox:
         now = int(time.time() * 1000)
         step = tokens or 0
         values = [(k, float(v), now, step) for k, v in (metrics or {}).items() if math.isfinite(v)]
-        row = _Row(self.target.run_id, tokens, values, list((tags or {}).items()))
+        row = Row(self.target.run_id, tokens, values, list((tags or {}).items()))
         if not row.size:
             return
         with self._cond:
@@ -271,7 +163,7 @@ class Outbox:
                 try:
                     self._write_copy()
                 except Exception as exc:  # boto3's and the store's errors alike
-                    raise RetryableError(f"metrics: cannot write {self.copy.uri}: {_one_line(exc)}") from exc
+                    raise RetryableError(f"metrics: cannot write {self.copy.uri}: {one_line(exc)}") from exc
 
     def close(self, wait_s: float) -> int:
         """Persist, wait up to wait_s for delivery, stop the shipper; returns the rows left in the journal."""
@@ -310,7 +202,7 @@ class Outbox:
             try:
                 self._write_copy()
             except Exception as exc:  # noqa: BLE001 - it held every row at the last write; they are sent again
-                log.warning("metrics: cannot write %s at the close: %s", self.copy.uri, _one_line(exc))
+                log.warning("metrics: cannot write %s at the close: %s", self.copy.uri, one_line(exc))
 
     # ------------------------------------------------------------ journal and marker (callers hold self._io)
 
@@ -318,7 +210,7 @@ class Outbox:
         """One PUT of the marker and the journaled rows not yet delivered (what a relaunch needs of the journal)."""
         with self._cond:
             rows = list(itertools.islice(self._queue, self._journaled))
-        self.copy.write(_marker_or_none(self.marker), "".join(row.to_json() + "\n" for row in rows))
+        self.copy.write(marker_or_none(self.marker), lines(rows))
         self._copy_stale = self._marker_uncopied = False
 
     def _journal_queued(self) -> None:
@@ -327,7 +219,7 @@ class Outbox:
         if not rows:
             return
         with open(self.journal, "a") as f:
-            f.write("".join(row.to_json() + "\n" for row in rows))
+            f.write(lines(rows))
             f.flush()
             os.fsync(f.fileno())
         with self._cond:
@@ -339,7 +231,7 @@ class Outbox:
             atomic_write_json(self.marker, {"mlflow_run_id": self.target.run_id, "tokens": self._accounted})
             self._marker_uncopied = self.copy is not None
 
-    def _retire(self, chunk: list[_Row]) -> None:
+    def _retire(self, chunk: list[Row]) -> None:
         """The chunk is delivered (or dropped): out of the queue, acked in the journal."""
         with self._io:
             with self._cond:
@@ -352,37 +244,13 @@ class Outbox:
             if not journaled_left:  # everything the journal holds is in: it has nothing left to say
                 self.journal.unlink(missing_ok=True)
                 return
-            with open(self.journal, "a") as f:
-                f.write(json.dumps({"ack": chunk[-1].seq}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            ack(self.journal, chunk[-1].seq)
 
     def _load_journal(self) -> None:
         """Queue what an earlier launch journaled but could not deliver, ahead of anything new."""
-        if not self.journal.exists():
-            return
-        data = self.journal.read_bytes()
-        whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) < len(data):
-            # A kill mid-append tore the last line. It was never fsynced, so no marker counts its
-            # steps: the relaunch re-trains and records them. Cut it, or the next append would glue onto it.
-            os.truncate(self.journal, len(whole))
-        rows, acked, unreadable = [], 0, 0
-        for line in whole.splitlines():
-            try:
-                record = json.loads(line)
-                if "ack" in record:
-                    acked = max(acked, int(record["ack"]))
-                else:
-                    rows.append(_Row.from_record(record))
-            except (ValueError, KeyError, TypeError):  # not ours to repair, and no reason to stop training
-                unreadable += 1
-        if unreadable:
-            log.warning("metrics: skipped %d unreadable line(s) of %s", unreadable, self.journal)
-        self._seq = max([acked, *(r.seq for r in rows)])
-        pending = [r for r in rows if r.seq > acked]
+        pending, self._seq = read_pending(self.journal)
         if not pending:
-            self.journal.unlink()
+            self.journal.unlink(missing_ok=True)
             return
         self._queue.extend(pending)
         self._journaled = len(pending)
@@ -419,14 +287,14 @@ class Outbox:
             try:
                 self._send(chunk)
             except Exception as exc:  # noqa: BLE001 - whatever MLflow raises, training must not see it
-                if not _permanent(exc):
+                if not permanent(exc):
                     self._failed(exc)
                     return False
                 log.warning(
                     "metrics: MLflow at %s refused %d row(s) for good, dropping them: %s",
                     self.target.tracking_uri,
                     len(chunk),
-                    _one_line(exc),
+                    one_line(exc),
                 )
             else:
                 self._recovered()
@@ -445,7 +313,7 @@ class Outbox:
                 log.warning(
                     "metrics: cannot write %s (%s); rows wait for it before they go to MLflow",
                     self.copy.uri,
-                    _one_line(exc),
+                    one_line(exc),
                 )
             return False
         if self._copy_failing:
@@ -453,35 +321,17 @@ class Outbox:
             log.warning("metrics: %s is written again", self.copy.uri)
         return True
 
-    def _head_chunk(self) -> list[_Row]:
+    def _head_chunk(self) -> list[Row]:
         """The first journaled rows of one MLflow run, within log_batch's limits."""
-        chunk: list[_Row] = []
-        metrics = tags = 0
         with self._cond:
-            for row in itertools.islice(self._queue, self._journaled):
-                if chunk and (
-                    row.run_id != chunk[0].run_id
-                    or metrics + len(row.metrics) > MAX_METRICS
-                    or tags + len(row.tags) > MAX_TAGS
-                ):
-                    break
-                chunk.append(row)
-                metrics += len(row.metrics)
-                tags += len(row.tags)
-        return chunk
+            return head_chunk(list(itertools.islice(self._queue, self._journaled)))
 
-    def _send(self, chunk: list[_Row]) -> None:
-        from mlflow.entities import Metric, RunTag
+    def _send(self, chunk: list[Row]) -> None:
         from mlflow.tracking import MlflowClient
 
         if self._client is None:
             self._client = MlflowClient(self.target.tracking_uri)
-        self._client.log_batch(
-            chunk[0].run_id,
-            metrics=[Metric(k, v, ts, step) for row in chunk for k, v, ts, step in row.metrics],
-            tags=[RunTag(k, v) for row in chunk for k, v in row.tags],
-            synchronous=True,
-        )
+        send(self._client, chunk)
 
     def _failed(self, exc: BaseException) -> None:
         if self._failing_since is None:
@@ -490,7 +340,7 @@ class Outbox:
                 "metrics: MLflow at %s is not accepting metrics (%s); training goes on, metrics are kept "
                 "in %s and retried every %.0f s at most",
                 self.target.tracking_uri,
-                _one_line(exc),
+                one_line(exc),
                 self.journal,
                 MAX_RETRY_S,
             )
@@ -503,38 +353,3 @@ class Outbox:
                 time.monotonic() - self._failing_since,
             )
             self._failing_since = None
-
-
-def _permanent(exc: BaseException) -> bool:
-    from mlflow.exceptions import MlflowException
-
-    return isinstance(exc, MlflowException) and exc.error_code in _PERMANENT
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"
-
-
-def close_wait_s() -> float:
-    return float(os.environ.get(CLOSE_WAIT_ENV, DEFAULT_CLOSE_WAIT_S))
-
-
-def deliver_pending(
-    target: MlflowTarget,
-    folder: str | Path,
-    run_name: str,
-    wait_s: float | None = None,
-    copy: RemoteCopy | None = None,
-) -> int:
-    """Deliver what a run's journal still holds (waiting up to wait_s); returns the rows left in it.
-
-    With `copy` (an s3 save folder), the remote copy is restored into `folder` first where it knows more, and
-    what is left is written back to it.
-    """
-    if copy is not None:
-        copy.restore(folder, run_name)
-    if not journal_path(folder, run_name).exists():
-        return 0
-    outbox = Outbox(target, folder, run_name, read_marker(marker_path(folder, run_name), target.run_id), copy)
-    return outbox.close(close_wait_s() if wait_s is None else wait_s)

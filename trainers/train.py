@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             force_weights_only()  # Composer's own resume included: no checkpoint runs code in the trainer
         # Heavy imports after validating, so `--help` and a bad job file answer at once.
         from trainers.build import build_trainer
-        from trainers.metrics_outbox import deliver_pending, remote_copy
+        from trainers.metrics_journal import deliver, remote_copy
         from trainers.rollback import record_anomaly
 
         stop_on_signals()  # again: importing Composer replaced our handlers with its own
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is None:  # the stage finished in an earlier launch; what it could not send to MLflow goes now
             if job.mlflow is not None and os.environ.get("RANK", "0") == "0":
                 # with an s3 save folder the copy there is emptied too, or the flow would send the rows again
-                deliver_pending(job.mlflow, job.save_folder, job.run_name, copy=remote_copy(job))
+                deliver(job.mlflow, job.save_folder, job.run_name, copy=remote_copy(job))
             return ExitCode.OK
         try:
             trainer.fit()
