@@ -96,8 +96,8 @@ from prefect import flow
 from prefect.testing.utilities import prefect_test_harness
 
 from evaluation.config import EvalConfig
-from tasks.evaluate import evaluate_checkpoint
-from tasks.register import register_checkpoint
+from tasks.gauntlet.evaluate import evaluate_checkpoint
+from tasks.registry.register import register_checkpoint
 from tasks.tracking_config import TrackingConfig
 from trainers.format.checkpoints import CheckpointInfo
 

@@ -163,7 +163,7 @@ SMALL_BYTES = 150_000
 REPEAT = 3
 SERVER_PROBE = """
 import time
-from tasks.runtime import quiet_environment
+from tasks.runs.runtime import quiet_environment
 quiet_environment()
 from prefect.server.api.server import SubprocessASGIServer
 server = SubprocessASGIServer()

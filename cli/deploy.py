@@ -324,9 +324,9 @@ def deploy(
     url = reachable_api_url()
     for name in dict.fromkeys([pool] if pool else [s.pool for s in specs]):
         ensure_pool(project, name)
-    from tasks.run_slot import ensure_names_lock
+    from tasks.runs.run_slot import ensure_names_lock
 
-    ensure_names_lock()  # run names' slots are created through it (tasks/run_slot.py)
+    ensure_names_lock()  # run names' slots are created through it (tasks/runs/run_slot.py)
     _run_prefect_deploy(project, specs, pool, url, log, recipe)
     deployed = _published(specs)
     _constrain(specs, deployed, recipe)

@@ -33,7 +33,7 @@ def planned_job(recipe, recipe_path: str, run: str):
     from tasks.data.tokenizer import peek, token_dtype
     from tasks.mlflow_run import resolved_uri
     from tasks.recipe import RecipeError
-    from tasks.train_job import make_job
+    from tasks.training.train_job import make_job
     from trainers.config import MlflowTarget
 
     try:

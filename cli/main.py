@@ -11,7 +11,7 @@ import sys
 
 from cli.k8s import cmd_k8s_render, cmd_k8s_status
 from cli.models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
-from tasks.runtime import (
+from tasks.runs.runtime import (
     install_log_filter,
     quiet_environment,
     usable_data_root,
@@ -64,9 +64,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Where a run's wall time went: its goodput ledger, from the run's own files."""
-    from tasks.goodput import BUCKETS, WORDS, for_job
     from tasks.recipe import RecipeError, load_recipe, run_folder
-    from tasks.train import TrainJob
+    from tasks.training.goodput import BUCKETS, WORDS, for_job
+    from tasks.training.train import TrainJob
 
     recipe = load_recipe(args.recipe)
     run_dir = run_folder(recipe.work_dir, args.run)
@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: tasks/flow_outcome.py
-        from tasks.flow_outcome import ended_message
+    except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: tasks/runs/flow_outcome.py
+        from tasks.runs.flow_outcome import ended_message
 
         ended = ended_message(exc)
         if ended is None:

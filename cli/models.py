@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.runtime import install_log_filter, work_prefect_home
+from tasks.runs.runtime import install_log_filter, work_prefect_home
 
 if TYPE_CHECKING:  # the flows import Prefect: `tessera --help` does not wait for it
     from flows.evaluate import EvalOutcome
@@ -83,8 +83,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     """Move `champion` by hand, recorded on the versions like a rule's decision."""
     from tasks.mlflow_run import client_for
-    from tasks.promote import promote_by_hand
     from tasks.recipe import RecipeError, load_recipe
+    from tasks.registry.promote import promote_by_hand
 
     recipe = load_recipe(args.recipe)
     work_prefect_home(recipe.work_dir)  # the promotion lock is a Prefect concurrency limit
@@ -99,7 +99,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         client.get_model_version(name, version)
     except MlflowException:
         raise RecipeError(f"{args.model}: no such model version in {recipe.tracking.tracking_uri}") from None
-    from tasks.aliases import reconcile_registry
+    from tasks.registry.aliases import reconcile_registry
 
     for line in reconcile_registry(recipe.tracking, "tessera promote"):
         print(line)

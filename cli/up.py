@@ -34,8 +34,8 @@ from cli.deploy import (
 from cli.up_stack import Service, UpError, _become_subreaper, _Stack
 from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri
 from tasks.recipe import Recipe, load_recipe
-from tasks.run_slot import ensure_names_lock
-from tasks.runtime import PREFECT_SERVER_OUTAGE
+from tasks.runs.run_slot import ensure_names_lock
+from tasks.runs.runtime import PREFECT_SERVER_OUTAGE
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED
 
 LOCAL_POOL = "tessera-local"
@@ -329,8 +329,8 @@ def _run(plan: _Plan, project: Project, publish: bool) -> int:
 
 
 def _unstick(api: str):
-    """Flow runs a deleted deployment would leave stuck (tasks/stuck_runs.py): unstuck or ended, and said here."""
-    from tasks.stuck_runs import Reconciler
+    """Flow runs a deleted deployment would leave stuck (tasks/runs/stuck_runs.py): unstuck or ended, and said here."""
+    from tasks.runs.stuck_runs import Reconciler
 
     reconciler = Reconciler()
 

@@ -179,7 +179,7 @@ class _Stack:
 
     def _tell_flow_runs(self, procs: list[psutil.Process]) -> None:
         """Mark each flow run about to be stopped Cancelling, saying why: the flow ends Cancelled with that
-        message instead of Crashed with none (tasks/flow_outcome.py reads it)."""
+        message instead of Crashed with none (tasks/runs/flow_outcome.py reads it)."""
         if not self.api:
             return
         runs = set()

@@ -6,7 +6,7 @@
         --tracking-uri http://mlflow:5000 --run-id RUN_ID --step 16384 --stage literary
 
 Scores the checkpoint on the gauntlet (on the GPU when there is one) and logs to the training run
-what tasks/evaluate.py logs in-process: the metrics with step = tokens, the per-task table and the
+what tasks/gauntlet/evaluate.py logs in-process: the metrics with step = tokens, the per-task table and the
 JSON and HTML reports. Its last line is `tessera.eval {json}`, the summary the flow's evaluate
 task reads back from the pod's log to make its artifact and the register task's input.
 

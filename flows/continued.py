@@ -8,7 +8,7 @@
    (its last stage's mixture), with a rewarm-then-decay LR schedule, through the same
    `run_pipeline` as `pretrain_pipeline`: the gauntlet every eval.every tokens, registration.
 4. The challenger (this run's best version) and the champion are scored now, on the same gauntlet
-   with the same code and seed, and the recipe's `promote` rule decides (tasks/promote.py). With the
+   with the same code and seed, and the recipe's `promote` rule decides (tasks/registry/promote.py). With the
    kubernetes backend each is scored in an evaluation pod, never in the flow's own process.
 """
 
@@ -25,16 +25,16 @@ from pydantic import BaseModel, Field
 from flows.pipeline import PipelineResult, RecipeTarget, run_pipeline
 from flows.prepare import prepare_sources
 from tasks import consumed_files, continuation
-from tasks.aliases import reconcile_registry
 from tasks.artifacts import artifact_key
-from tasks.flow_outcome import form_values, run_or_end
 from tasks.mlflow_run import client_for
-from tasks.promote import Decision, champion_version, promote_challenger
 from tasks.recipe import NAME_PATTERN, Recipe, load_recipe
 from tasks.recipe_form import form_input
-from tasks.register import CHAMPION_ALIAS, checkpoint_of
-from tasks.run_record import record_flow_run_end, rename_flow_run, stays_of, tag_flow_run
-from tasks.runtime import prepare_process
+from tasks.registry.aliases import reconcile_registry
+from tasks.registry.promote import Decision, champion_version, promote_challenger
+from tasks.registry.register import CHAMPION_ALIAS, checkpoint_of
+from tasks.runs.flow_outcome import form_values, run_or_end
+from tasks.runs.run_record import record_flow_run_end, rename_flow_run, stays_of, tag_flow_run
+from tasks.runs.runtime import prepare_process
 
 
 class ContinueParams(RecipeTarget):
@@ -138,7 +138,7 @@ def _record_end(flow, flow_run_, state) -> None:
     """
     from prefect.client.orchestration import get_client
 
-    from tasks.flow_outcome import REFUSED, keep_last_word
+    from tasks.runs.flow_outcome import REFUSED, keep_last_word
 
     if state.name == REFUSED:
         return

@@ -14,8 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field, PositiveInt
 
 from evaluation.config import EvalConfig
+from tasks.gauntlet.score import comparison_gains, score_model, write_reports
 from tasks.recipe_form import form_input
-from tasks.score import comparison_gains, score_model, write_reports
 
 
 class EvalParams(BaseModel):
@@ -71,7 +71,7 @@ class EvalOutcome(BaseModel):
 
 @flow(name="tessera-eval", log_prints=True, validate_parameters=False)
 def eval_flow(params: EvalParams) -> EvalOutcome:
-    from tasks.flow_outcome import form_values
+    from tasks.runs.flow_outcome import form_values
 
     params = form_values(EvalParams, params)  # one line, also with the UI's validation switched off
 

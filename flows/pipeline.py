@@ -5,7 +5,7 @@ watches the run's checkpoint manifests and gives every new checkpoint its own ev
 register task runs, so training never waits for the gauntlet.
 
 Started from the Prefect UI, a schedule or the CLI alike, so it guards itself: one live flow run
-per run name (tasks/run_slot.py), the trainer stopped if the flow fails or is cancelled, and the
+per run name (tasks/runs/run_slot.py), the trainer stopped if the flow fails or is cancelled, and the
 MLflow run told how the flow run ended even when the flow process itself was killed (the crash
 and cancellation hooks, which Prefect's runner calls from outside it).
 """
@@ -21,15 +21,14 @@ from prefect.futures import wait
 from pydantic import BaseModel, Field
 
 from flows.prepare import prepare_recipe_data
-from tasks.aliases import reconcile_registry
-from tasks.flow_outcome import REFUSED, form_values, keep_last_word, run_or_end
-from tasks.gauntlet_queue import GauntletQueue, QueueTarget
-from tasks.goodput import report_goodput
+from tasks.gauntlet.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.mlflow_run import open_run, record_run, resolved_uri, served_elsewhere
 from tasks.recipe import NAME_PATTERN, Recipe, load_recipe, run_folder
 from tasks.recipe_form import RecipeOverrides, apply_overrides, form_input
-from tasks.register import Registration, move_aliases
-from tasks.run_record import (
+from tasks.registry.aliases import reconcile_registry
+from tasks.registry.register import Registration, move_aliases
+from tasks.runs.flow_outcome import REFUSED, form_values, keep_last_word, run_or_end
+from tasks.runs.run_record import (
     bootstrap_champion,
     close_after_failure,
     close_finished,
@@ -43,10 +42,11 @@ from tasks.run_record import (
     stays_of,
     tag_flow_run,
 )
-from tasks.run_slot import one_per_run, run_tag
-from tasks.runtime import prepare_process
-from tasks.train import MlflowTarget, TrainJob, allow_launches, deliver_metrics, stage_task, stop_launched_jobs
-from tasks.train_job import checkpoint_store, make_job, write_job
+from tasks.runs.run_slot import one_per_run, run_tag
+from tasks.runs.runtime import prepare_process
+from tasks.training.goodput import report_goodput
+from tasks.training.train import MlflowTarget, TrainJob, allow_launches, deliver_metrics, stage_task, stop_launched_jobs
+from tasks.training.train_job import checkpoint_store, make_job, write_job
 
 POLL_SECONDS = 2.0
 

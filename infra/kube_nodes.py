@@ -2,7 +2,7 @@
 
 The flow labels the node `tessera.dev/avoid=true` (the reason in the annotation
 `tessera.dev/avoid-reason`) when the node's pod exited with the watchdog's hang code, or when a rank
-on it stayed slower than its peers (tasks/train_progress.py); every training pod tessera renders with
+on it stayed slower than its peers (tasks/training/train_progress.py); every training pod tessera renders with
 the option on requires nodes without that label, so the group's next restart, and every later
 group, is scheduled elsewhere. It never cordons or drains: other workloads keep the node. The flow's
 account needs `get` and `patch` on nodes (infra/k8s/rbac-nodes.yaml, a ClusterRole: nodes are not

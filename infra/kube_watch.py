@@ -70,7 +70,7 @@ class GroupWatch:
         self._since: dict[tuple[str, str], float] = {}  # (pod uid, what) -> when first seen stuck
         self._restarts_seen: int | None = None
         # Seconds the group waited to run: suspended (Kueue had not admitted it), or a pod not yet scheduled. The
-        # goodput ledger's `pending` (tasks/goodput.py).
+        # goodput ledger's `pending` (tasks/training/goodput.py).
         self.pending_s = 0.0
         self._judged_at: float | None = None
         self._recreated = False  # an indexed job was deleted and created again: watch the new one afresh

@@ -15,7 +15,7 @@ from tasks.consumed_files import Consumed
 from tasks.data.config import DataConfig
 from tasks.mlflow_run import client_for, retrying
 from tasks.recipe import Recipe, RecipeError
-from tasks.register import CHAMPION_ALIAS
+from tasks.registry.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
 from trainers.contract import EXIT_FAILED, OneLineError
 from trainers.format.s3 import StoreError, fetch_folder
@@ -49,7 +49,7 @@ def new_source(run_name: str, files: list[Consumed], kind: str, separator: str |
 
 def challenger(tracking: TrackingConfig, name: str, mlflow_run_id: str) -> int | None:
     """The run's best registered version of `name`, the challenger the promotion rule weighs; None if it has none."""
-    from tasks.register import best_of_run
+    from tasks.registry.register import best_of_run
 
     client = client_for(tracking)
     best = retrying("finding the run's best version", lambda: best_of_run(client, name, mlflow_run_id))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from evaluation.config import EvalConfig
 from infra.config import ComputeConfig
 from tasks.data.config import DataConfig
-from tasks.promote_config import PromoteConfig
+from tasks.registry.promote_config import PromoteConfig
 from tasks.tracking_config import TrackingConfig
 from trainers.config import NAME_RESERVE, ModelConfig, TrainConfig, batch_alignment_error
 from trainers.contract import OneLineError

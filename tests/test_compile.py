@@ -165,7 +165,7 @@ def compiled(tmp_path_factory, sources):
 def test_compiled_training_matches_eager_and_compiling_is_its_own_phase(eager, compiled):
     """The tiny model compiled trains as it does eager (losses within 1e-5, see above); the heartbeat's `compile`
     phase holds the compile, and the goodput ledger counts it apart from startup and productive steps."""
-    from tasks.goodput import _launch_buckets
+    from tasks.training.goodput import _launch_buckets
     from trainers import time_records
 
     job, root, proc = compiled

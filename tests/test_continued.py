@@ -87,8 +87,8 @@ def _client(recipe: Path):
 def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(pretrained, monkeypatch, capsys):
     from flows.continued import ContinueParams, continued_pretraining
     from tasks.consumed_files import consumed
-    from tasks.register import checkpoint_of
-    from tasks.version_record import decision_history
+    from tasks.registry.register import checkpoint_of
+    from tasks.registry.version_record import decision_history
 
     tmp, recipe, base = pretrained
     monkeypatch.chdir(ROOT)

@@ -59,7 +59,7 @@ def test_a_refused_run_or_one_that_never_started_closes_nothing(tmp_path):
     from prefect.states import Cancelled
 
     from flows.continued import _record_end
-    from tasks.flow_outcome import REFUSED
+    from tasks.runs.flow_outcome import REFUSED
 
     tracking, flow_run, run_id = _setup(tmp_path, "weekly-cpt-v1-0123abcd")
     _record_end(None, flow_run, Cancelled(name=REFUSED, message="run is live elsewhere"))

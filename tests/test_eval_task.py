@@ -102,7 +102,7 @@ def test_a_damaged_checkpoint_is_not_scored(
     """Bytes flipped in a tensor load silently with torch.load; the evaluation refuses them in one line."""
     from prefect import flow
 
-    from tasks.evaluate import evaluate_checkpoint
+    from tasks.gauntlet.evaluate import evaluate_checkpoint
 
     path, _, _ = composer_checkpoint
     data = bytearray(path.read_bytes())
@@ -130,7 +130,7 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
     (given by the flow) or the zip CRCs itself, and exits 78, a bad input that a retry would not mend."""
     from evaluation.__main__ import _verified, main, parse_args
     from evaluation.protocol import EXIT_FATAL
-    from tasks.evaluate import pod_args
+    from tasks.gauntlet.evaluate import pod_args
     from trainers.format.checkpoints import file_sha256
 
     path, _, _ = composer_checkpoint
@@ -178,7 +178,7 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(
     from prefect import flow
 
     from tasks.artifacts import artifact_key
-    from tasks.evaluate import evaluate_checkpoint
+    from tasks.gauntlet.evaluate import evaluate_checkpoint
 
     path, trained, tok = composer_checkpoint
     client, run_id = mlflow_run
@@ -291,14 +291,14 @@ def test_bad_input_is_not_retried():
     from prefect.states import Failed
 
     from evaluation.errors import GauntletError
-    from tasks.evaluate import retry_unless_bad_input
+    from tasks.gauntlet.evaluate import retry_unless_bad_input
 
     assert not retry_unless_bad_input(None, None, Failed(data=GauntletError("t.jsonl:3: malformed JSON")))
     assert retry_unless_bad_input(None, None, Failed(data=OSError("disk hiccup")))
     # a full disk is not freed by retrying in a few seconds: evaluation, registration and prepare fail at once
     import errno
 
-    from tasks.register import register_checkpoint
+    from tasks.registry.register import register_checkpoint
 
     full = Failed(data=OSError(errno.ENOSPC, "No space left on device", "/work/runs/tiny/pins/c.pt"))
     assert not retry_unless_bad_input(None, None, full)
@@ -399,7 +399,7 @@ def test_a_sharded_checkpoint_in_s3_is_downloaded_verified_and_scored_by_the_pod
     from evaluation.__main__ import _local_checkpoint, _verified, main, parse_args
     from evaluation.models import load_model
     from evaluation.protocol import EXIT_FATAL
-    from tasks.evaluate import pod_args
+    from tasks.gauntlet.evaluate import pod_args
     from trainers.format.checkpoints import shard_files
 
     path, trained, _ = composer_checkpoint

@@ -1,4 +1,4 @@
-"""One live flow run per run name (tasks/run_slot.py), against a real temporary Prefect API.
+"""One live flow run per run name (tasks/runs/run_slot.py), against a real temporary Prefect API.
 
 The slot is a Prefect global concurrency limit. These tests hold it from a small flow, the same
 context manager the pipeline uses, so they need no trainer.
@@ -15,8 +15,8 @@ from prefect import flow, tags
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-from tasks.flow_outcome import REFUSED, run_or_end
-from tasks.run_slot import RunBusy, ensure_limit, holder_tag, limit_name, one_per_run, run_tag
+from tasks.runs.flow_outcome import REFUSED, run_or_end
+from tasks.runs.run_slot import RunBusy, ensure_limit, holder_tag, limit_name, one_per_run, run_tag
 
 
 @flow(name="hold-run-name")

@@ -21,7 +21,7 @@ def _run(tmp_path):
     """A run `r` of the tiny recipe with two launches: one killed 40 s after its last checkpoint, one that ended."""
     import yaml
 
-    from tasks import launch_records
+    from tasks.training import launch_records
     from tests.support.training import tiny_job, write_job
 
     recipe = tiny_recipe(tmp_path)
@@ -57,7 +57,7 @@ def _run(tmp_path):
 
 
 def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost(tmp_path):
-    from tasks.goodput import compute
+    from tasks.training.goodput import compute
 
     _, run_dir, job = _run(tmp_path)
     goodput = compute(run_dir, job.save_folder, "r")
@@ -80,8 +80,8 @@ def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost
 def test_goodput_measures_the_run_not_the_calendar(tmp_path):
     """A rerun a day later (another flow run) that resumes, then a rerun with nothing to do: the day between them
     and the no-op launch are left out, and said; the figure is the one of the same launches back to back."""
-    from tasks import launch_records
-    from tasks.goodput import compute
+    from tasks.training import launch_records
+    from tasks.training.goodput import compute
 
     _, run_dir, job = _run(tmp_path)
     before = compute(run_dir, job.save_folder, "r")
@@ -136,7 +136,7 @@ def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(t
 def test_with_the_ranks_in_pods_the_time_records_come_from_the_s3_save_folder(tmp_path, moto_s3):
     """On Kubernetes the flow never sees the pods' disks: rank 0 pushes its time records beside the checkpoints in
     the s3 save folder, and the flow's ledger reads them there."""
-    from tasks.goodput import compute, for_job
+    from tasks.training.goodput import compute, for_job
     from trainers.remote import RemoteFolder
 
     _, run_dir, job = _run(tmp_path)

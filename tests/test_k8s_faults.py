@@ -277,10 +277,11 @@ def test_an_evaluation_pod_rides_through_resets_and_500s(api, tmp_path):
 
 
 def _stage_task(tmp_path, raw, retries: int):
-    """tasks.train.train_stage in a Prefect flow, with the retries the pipeline gives it (compute.max_restarts)."""
+    """tasks.training.train.train_stage in a Prefect flow, with the retries the pipeline gives it
+    (compute.max_restarts)."""
     from prefect import flow
 
-    from tasks.train import train_stage
+    from tasks.training.train import train_stage
     from tests.support.training import tiny_job, write_job
     from trainers.config import StageConfig
 

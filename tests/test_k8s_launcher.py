@@ -519,13 +519,14 @@ def test_a_refused_spec_or_a_missing_jobset_api_is_fatal_in_one_line(api, tmp_pa
 
 
 def test_a_rank_slow_three_comparisons_in_a_row_has_its_node_labelled_once_and_a_refusal_is_one_line(api, tmp_path):
-    """The flow's relay (tasks/train_progress.py) hands the slow rank's node to the launch's job, which labels it;
-    without the ClusterRole of infra/k8s/rbac-nodes.yaml the API answers 403 and the flow says so in one line."""
+    """The flow's relay (tasks/training/train_progress.py) hands the slow rank's node to the launch's job, which
+    labels it; without the ClusterRole of infra/k8s/rbac-nodes.yaml the API answers 403 and the flow says so in one
+    line."""
     import logging
 
     from infra.kube_api import Kube
     from infra.kube_nodes import avoid
-    from tasks.train_progress import ProgressRelay
+    from tasks.training.train_progress import ProgressRelay
     from trainers.progress import format_ranks
 
     c = api.cluster

@@ -1,4 +1,4 @@
-"""A stopped flow run's explanation stays its last state (tasks/last_word.py), against a real Prefect API.
+"""A stopped flow run's explanation stays its last state (tasks/runs/last_word.py), against a real Prefect API.
 
 What Prefect's runner does after a cancel is replayed here with the same call it makes: a forced Cancelled,
 "Flow run was cancelled successfully.", over the flow's own. The full path (a cancel from the UI on `tessera up`'s
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tasks.last_word import GENERIC_CANCEL, keep, spawn
+from tasks.runs.last_word import GENERIC_CANCEL, keep, spawn
 
 OURS = (
     "cancelled: every rank of run 'x' was stopped; nothing was saved yet, so a rerun of the same run name starts it "
@@ -86,7 +86,7 @@ def test_the_explanation_is_set_through_a_server_whose_database_is_locked_for_se
     from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
     from prefect.states import Cancelled
 
-    from tasks.last_word import set_state
+    from tasks.runs.last_word import set_state
 
     db = PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1]
     locked, held_s = threading.Event(), 15.0
@@ -120,7 +120,7 @@ def test_an_api_that_refuses_is_tried_again_until_the_deadline(flow_run, monkeyp
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelled
 
-    from tasks.last_word import set_state
+    from tasks.runs.last_word import set_state
     from tests.conftest import free_port
 
     tries, real = [], orchestration.get_client

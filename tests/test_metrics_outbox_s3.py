@@ -76,7 +76,7 @@ def test_the_flow_delivers_what_a_gone_pod_held_back_from_the_s3_copy(tmp_path, 
     """A pod journals through an outage and is gone; the flow, whose disk never saw that journal, delivers it from
     s3 once each, with the times the rows were recorded at, and leaves the copy empty. A second delivery adds
     nothing."""
-    from tasks.train import deliver_metrics
+    from tasks.training.train import deliver_metrics
     from trainers.callbacks import MlflowMetrics
     from trainers.metrics_journal import journal_path, remote_copy
 

@@ -114,7 +114,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     versions = sorted(client.search_model_versions("name = 'tessera-tiny'"), key=lambda v: int(v.version))
     assert [v.tags["tokens"] for v in versions] == ["16384", "32768", "49152"]
     assert [v.tags["stage"] for v in versions] == ["literary", "literary", "stories"]
-    from tasks.version_record import version_record
+    from tasks.registry.version_record import version_record
 
     assert len({version_record(client, "tessera-tiny", v.version)["recipe_hash"] for v in versions}) == 1
     averages = {v.version: float(v.tags["gauntlet_average"]) for v in versions}
@@ -184,7 +184,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert isinstance(text[0], str)
 
     # a rerun resumes everything: nothing is trained or registered twice, and no trainer is launched to learn that
-    from tasks import launch_records
+    from tasks.training import launch_records
 
     run_dir = tmp_path / "work" / "runs" / "tiny"
     launches = len(launch_records.read(run_dir))

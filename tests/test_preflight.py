@@ -75,7 +75,7 @@ def test_an_s3_save_folder_whose_bucket_is_missing_is_fatal_and_a_writable_one_p
 def test_a_failed_probe_is_an_infrastructure_retry_and_a_slow_rank_is_named():
     import torch
 
-    from tasks.train_progress import describe_preflight
+    from tasks.training.train_progress import describe_preflight
     from trainers.exit_codes import ExitCode, InfrastructureError, classify
     from trainers.preflight import matmul_gflops, summarize
     from trainers.progress import format_preflight, parse_preflight

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from evaluation.report import GauntletReport, TaskResult
-from tasks.aliases import LATEST_ALIAS, reconcile_aliases, record_started, set_aliases
-from tasks.promote import bootstrap, promote_by_hand, record_decision
-from tasks.promote_config import PromoteConfig
-from tasks.promote_rule import decide
-from tasks.register import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS
-from tasks.version_record import decision_history, write_version_record
+from tasks.registry.aliases import LATEST_ALIAS, reconcile_aliases, record_started, set_aliases
+from tasks.registry.promote import bootstrap, promote_by_hand, record_decision
+from tasks.registry.promote_config import PromoteConfig
+from tasks.registry.promote_rule import decide
+from tasks.registry.register import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS
+from tasks.registry.version_record import decision_history, write_version_record
 from tests.conftest import ROOT
 from tests.support.mlflow_store import sqlite_store
 
@@ -371,7 +371,7 @@ def _scorer(reports: dict[str, GauntletReport], during: dict[str, object] | None
 
 
 def test_a_hand_promotion_during_scoring_is_never_reverted(registry):
-    from tasks.promote import contest
+    from tasks.registry.promote import contest
 
     bootstrap(registry, "m", "2", "base")
     hand = lambda: promote_by_hand(registry, "m", "1", "hand promotion while v3 is scored")  # noqa: E731
@@ -392,7 +392,7 @@ def test_a_hand_promotion_during_scoring_is_never_reverted(registry):
 
 
 def test_a_challenger_that_beats_the_new_champion_replaces_it_not_the_old_one(registry):
-    from tasks.promote import contest
+    from tasks.registry.promote import contest
 
     bootstrap(registry, "m", "2", "base")
     hand = lambda: promote_by_hand(registry, "m", "1", "hand promotion while v3 is scored")  # noqa: E731
@@ -406,13 +406,13 @@ def test_a_challenger_that_beats_the_new_champion_replaces_it_not_the_old_one(re
 
 
 def test_a_champion_that_keeps_moving_stops_the_promotion_without_moving_it(registry, monkeypatch):
-    import tasks.promote
-    from tasks.promote import DECIDE_ROUNDS, ChampionKeptMoving, contest
+    import tasks.registry.promote
+    from tasks.registry.promote import DECIDE_ROUNDS, ChampionKeptMoving, contest
 
     bootstrap(registry, "m", "2", "base")
     # every look finds the other version: someone promoting v1 and v2 in turn, faster than scoring
     looks = iter(["2", "1", "2", "1", "2", "1"])
-    monkeypatch.setattr(tasks.promote, "champion_version", lambda client, name: next(looks))
+    monkeypatch.setattr(tasks.registry.promote, "champion_version", lambda client, name: next(looks))
     score, calls = _scorer({"1": _report(**BASE), "2": _report(**BASE), "3": _report(**BETTER)})
     with pytest.raises(ChampionKeptMoving, match=f"champion moved {DECIDE_ROUNDS} times while v3 was being scored"):
         contest(registry, "m", "3", score, PromoteConfig(), _spec(), "cpt-race")
@@ -430,7 +430,7 @@ def test_tessera_promote_waits_for_the_promotion_lock(registry, tmp_path):
     import yaml
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.promote_lock import promotion_lock
+    from tasks.registry.promote_lock import promotion_lock
 
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     raw["tracking"] |= {"tracking_uri": registry._registry_uri, "registered_model": "m"}
@@ -451,7 +451,7 @@ def test_tessera_promote_waits_for_the_promotion_lock(registry, tmp_path):
 
 def test_best_says_when_it_is_within_noise_of_the_runner_up(registry):
     from evaluation.mlflow_report import report_paths
-    from tasks.register import best_margin
+    from tasks.registry.register import best_margin
 
     for version, hits in (("1", BASE), ("2", NOISY), ("3", BETTER)):
         mv = registry.get_model_version("m", version)

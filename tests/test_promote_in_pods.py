@@ -21,9 +21,9 @@ from evaluation.config import EvalConfig
 from evaluation.errors import GauntletError
 from infra import allow_launches, cancel_all
 from infra.kube_job import KubernetesJob
-from tasks.aliases import record_started
-from tasks.promote_config import PromoteConfig
-from tasks.register import CHAMPION_ALIAS
+from tasks.registry.aliases import record_started
+from tasks.registry.promote_config import PromoteConfig
+from tasks.registry.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tests.k8s.fake_apiserver import FakeApiServer
@@ -142,8 +142,8 @@ def registry(tmp_path):
     """Model `m`: v1 (the champion) and v2, each a different tiny Llama saved as an HF directory in its run."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.promote import bootstrap
-    from tasks.version_record import write_version_record
+    from tasks.registry.promote import bootstrap
+    from tasks.registry.version_record import write_version_record
 
     tracking = TrackingConfig(
         tracking_uri=sqlite_store(tmp_path / "m.db"), artifact_location=str(tmp_path / "art"), registered_model="m"
@@ -170,7 +170,7 @@ def registry(tmp_path):
 
 
 def _in_process(model: str, cfg: EvalConfig, tracking: TrackingConfig):
-    from tasks.score import score_model
+    from tasks.gauntlet.score import score_model
 
     return score_model.fn(model, cfg, tracking.tracking_uri)
 
@@ -198,9 +198,9 @@ def test_promotion_scores_both_models_in_pods_as_the_flow_would_in_process(
 ):
     from prefect import flow
 
-    import tasks.promote
+    import tasks.registry.promote
     from evaluation.spec import load_gauntlet
-    from tasks.promote_rule import decide
+    from tasks.registry.promote_rule import decide
 
     client, tracking, run_id = registry
     rule = PromoteConfig(min_gain=-1.0, max_category_drop=1.0)
@@ -210,15 +210,17 @@ def test_promotion_scores_both_models_in_pods_as_the_flow_would_in_process(
 
     request.getfixturevalue("no_model_here")
     decided = []
-    real_decide = tasks.promote.decide
-    monkeypatch.setattr(tasks.promote, "decide", lambda a, b, *rest: decided.append((a, b)) or real_decide(a, b, *rest))
+    real_decide = tasks.registry.promote.decide
+    monkeypatch.setattr(
+        tasks.registry.promote, "decide", lambda a, b, *rest: decided.append((a, b)) or real_decide(a, b, *rest)
+    )
     kubelet = Kubelet(cluster)
     kubelet.start()
 
     @flow(name="promote-in-pods")
     def promote():
         # eval.max_seq_len is set: max_seq_len (the recipe's seq_len) is what a recipe without it would use
-        return tasks.promote.promote_challenger(gauntlet, tracking, rule, "cpt-pods", run_id, 2, 128, K8S)
+        return tasks.registry.promote.promote_challenger(gauntlet, tracking, rule, "cpt-pods", run_id, 2, 128, K8S)
 
     decision, champion = promote()
     kubelet.stop()
@@ -239,7 +241,7 @@ def test_promotion_scores_both_models_in_pods_as_the_flow_would_in_process(
 def test_a_bad_input_pod_is_a_one_line_gauntlet_error_and_is_not_retried(cluster, registry, gauntlet, no_model_here):
     from prefect import flow
 
-    from tasks.score import score_in_pod
+    from tasks.gauntlet.score import score_in_pod
 
     _, tracking, _ = registry
     kubelet = Kubelet(cluster)
@@ -261,7 +263,7 @@ def test_a_bad_input_pod_is_a_one_line_gauntlet_error_and_is_not_retried(cluster
 def test_a_pod_that_crashed_is_retried_in_a_new_pod(cluster, registry, gauntlet, no_model_here):
     from prefect import flow
 
-    from tasks.score import score_in_pod
+    from tasks.gauntlet.score import score_in_pod
 
     _, tracking, _ = registry
     kubelet = Kubelet(cluster, crash_first=1)

@@ -75,8 +75,8 @@ def scored():
 
 
 def _decide(scored, champion: str, challenger: str):
-    from tasks.promote_config import PromoteConfig
-    from tasks.promote_rule import decide
+    from tasks.registry.promote_config import PromoteConfig
+    from tasks.registry.promote_rule import decide
 
     reports, spec = scored
     return decide(reports[champion], reports[challenger], PromoteConfig(), spec)

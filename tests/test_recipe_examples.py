@@ -27,7 +27,7 @@ from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER
 from tasks.data.results import PreparedData, PreparedSource
 from tasks.data.tokenizer import TokenizerInfo, token_dtype
 from tasks.recipe import Recipe, load_recipe
-from tasks.train_job import make_job, write_job
+from tasks.training.train_job import make_job, write_job
 from tests.conftest import ROOT
 from tests.test_k8s_manifests import K8S_VERSIONS, _by_kind, _core_objects
 from tests.test_k8s_manifests import jobset_schema as _jobset_schema_fixture
@@ -132,8 +132,9 @@ def test_gpt_125m_trains_as_one_unsharded_process_on_the_local_backend():
 
 
 def _job_file(recipe: Recipe, folder: Path) -> Path:
-    """The job file `tessera run` writes once the data is prepared (tasks/train.py:make_job), with each source and
-    the tokenizer published under the s3:// data root as the prepare stage names them (<root>/<source>-<hash>)."""
+    """The job file `tessera run` writes once the data is prepared (tasks/training/train_job.py:make_job), with each
+    source and the tokenizer published under the s3:// data root as the prepare stage names them
+    (<root>/<source>-<hash>)."""
     vocab, eos = _tokenizer(recipe)
     root = recipe.data.root.rstrip("/")
     dtype = token_dtype(vocab)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.evaluate import EvalSummary
+from tasks.gauntlet.evaluate import EvalSummary
 from tasks.mlflow_run import TrackingError, client_for, close_run, model_ui_url, open_run, run_ui_url
-from tasks.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_checkpoint
+from tasks.registry.register import BEST_ALIAS, LATEST_ALIAS, checkpoint_of, register_checkpoint
+from tasks.registry.version_record import version_record
 from tasks.tracking_config import TrackingConfig
-from tasks.version_record import version_record
 from tests.conftest import ROOT
 from tests.support.mlflow_store import sqlite_store
 from trainers.format.checkpoints import CheckpointInfo
@@ -358,7 +358,7 @@ def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_l
     assert client.get_experiment_by_name("older").tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
     # a flow's first look at the registry: an alias moved in MLflow's UI is found, once
-    from tasks.aliases import reconcile_registry
+    from tasks.registry.aliases import reconcile_registry
 
     assert reconcile_registry(tracking, "flow run a") == []  # no registered model yet
     client.create_registered_model("x")
@@ -379,8 +379,8 @@ def test_the_experiment_opens_as_model_training_and_a_reopened_run_forgets_its_l
 
 def test_a_version_registered_before_the_record_still_resolves_and_describes(tmp_path):
     """Versions made before the record existed keep everything in tags: read as they are, never migrated."""
-    from tasks.aliases import refresh_descriptions
-    from tasks.version_record import decision_history
+    from tasks.registry.aliases import refresh_descriptions
+    from tasks.registry.version_record import decision_history
 
     uri = sqlite_store(tmp_path / "m.db")
     client = client_for(TrackingConfig(tracking_uri=uri, registered_model="old"))

@@ -174,7 +174,7 @@ def test_a_cut_short_local_stages_record_takes_the_mirrors_whole_copy(tmp_path, 
 
 
 def test_the_records_alone_say_a_stage_is_finished_and_what_they_do_not_settle_is_left_to_a_launch(tmp_path):
-    """What a rerun with nothing to do decides from, without launching a trainer (tasks/train.train_stage)."""
+    """What a rerun with nothing to do decides from, without launching a trainer (tasks/training/train.train_stage)."""
     from trainers.plan import plan_start
     from trainers.trained_stages import finished
 
@@ -280,7 +280,7 @@ def test_a_cut_short_metrics_marker_reads_as_nothing_logged(tmp_path, how):
 def test_a_cut_short_job_file_is_rewritten_by_the_flow_and_the_launch_plans(tmp_path, how):
     """The trainer cannot know the job a cut-short file held, so it refuses it (one line saying so); the
     flow, which writes the file as it starts and before any launch, puts it back whole."""
-    from tasks.train_job import write_job
+    from tasks.training.train_job import write_job
     from trainers.jobfile import load_job
     from trainers.plan import plan_start
 
@@ -298,7 +298,7 @@ def test_a_cut_short_job_file_is_rewritten_by_the_flow_and_the_launch_plans(tmp_
 
 
 def test_the_trainer_says_a_cut_short_job_file_in_one_line(tmp_path):
-    from tasks.train_job import write_job
+    from tasks.training.train_job import write_job
 
     path = write_job(_job(tmp_path), tmp_path / "job.json")
     _cut(path, "half")

@@ -1,11 +1,11 @@
-"""A deployment deleted while its runs are live leaves none of them stuck (tasks/stuck_runs.py), on a real Prefect
+"""A deployment deleted while its runs are live leaves none of them stuck (tasks/runs/stuck_runs.py), on a real Prefect
 API: the 500 the server answers for such a run is reproduced first, then `tessera up`'s reconciler undoes it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.stuck_runs import Reconciler
+from tasks.runs.stuck_runs import Reconciler
 
 
 def test_runs_of_a_deleted_deployment_end_instead_of_staying_stuck(prefect_harness):

@@ -1,6 +1,6 @@
 """A run that stalls is caught: heartbeats, the watchdog's budgets, the kill and the relaunch, the no-progress stop.
 
-The slow tests run the stage task itself (`tasks.train.train_stage`, in a Prefect flow on the session's
+The slow tests run the stage task itself (`tasks.training.train.train_stage`, in a Prefect flow on the session's
 API) over real 2-rank trainers (Composer's launcher, gloo), freeze ranks with SIGSTOP or hang a save with a
 fault hook, and check what the watchdog did, what the flow said, and the weights the run ended with.
 """
@@ -136,7 +136,7 @@ def _run_stage(job_path: Path, ranks: int = 2):
     from prefect.context import get_run_context
 
     from infra.config import ComputeConfig
-    from tasks.train import stage_task
+    from tasks.training.train import stage_task
 
     ids = []
 
@@ -181,7 +181,7 @@ def reference(tmp_path_factory, source):
 
 
 def _ledger(job_path: Path) -> list[dict]:
-    from tasks import launch_records
+    from tasks.training import launch_records
 
     return launch_records.read(job_path.parent)
 
@@ -228,7 +228,7 @@ def test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up(
     40 (checkpoint 32) and the watchdog (an 8 s step floor) kills the group after writing every rank's stacks to
     the stage log. The run ends with the uninterrupted run's weights; its goodput ledger adds up to the wall time,
     counts the killed launch's steps after its last checkpoint as lost and the frozen one's silence as hung."""
-    from tasks.goodput import BUCKETS, compute
+    from tasks.training.goodput import BUCKETS, compute
 
     monkeypatch.setenv("TESSERA_FAULT", f"step:{20 * STEP}")
     # Rank 0, so that Composer's launcher, which looks at the ranks in order, reports its SIGKILL before the
@@ -284,7 +284,7 @@ def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_prog
 ):
     """Every launch hangs in its first checkpoint save (a fault hook): the watchdog names phase save on the save
     budget, not the step's 60 s; two launches in a row without a new checkpoint stop the stage as fatal."""
-    from tasks.train import NoProgress
+    from tasks.training.train import NoProgress
 
     monkeypatch.setenv("TESSERA_FAULT", "stall-save:600")
     job, job_path = _job(tmp_path, source, save_s=6, bytes_per_s=1e12, no_progress_launches=2)

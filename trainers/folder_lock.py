@@ -1,6 +1,6 @@
 """The save folder's lock: one trainer per run name; global rank 0 holds a flock on `<save_folder>/<run>.lock`.
 
-(The other two exclusions: the run-name slot, tasks/run_slot.py, one live flow run per run name; an
+(The other two exclusions: the run-name slot, tasks/runs/run_slot.py, one live flow run per run name; an
 output's claim, tasks/data/claim.py, one writer per prepared-data directory.)
 
 Why the trainer enforces it itself: `plan_start` deletes unpublished checkpoint files and

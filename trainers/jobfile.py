@@ -25,7 +25,7 @@ def load_job(path: str | Path) -> TrainJob:
         if err["type"] == "json_invalid":
             why = err.get("ctx", {}).get("error", msg)
             if not text.strip("\x00 \t\r\n") or why.startswith("EOF while parsing"):
-                # Cut short: a power loss before job files were written durably (tasks/train.py write_job
+                # Cut short: a power loss before job files were written durably (tasks/training/train.py write_job
                 # now uses trainers/format/atomic.py). Only the flow knows the job, and it writes the file
                 # again as it starts, before any launch: so fatal for this launch (the same file fails every
                 # relaunch), while a rerun of the flow resumes the run from its checkpoints.

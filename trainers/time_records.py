@@ -5,7 +5,7 @@ of the record, the tokens it had reached, and the seconds spent so far in each p
 (trainers/heartbeat.py: startup, plan, download, load, first_step, compile, data, step, eval, save,
 upload, close). A record is written only once its checkpoint is published, so the steps it counts are steps
 that stay; whatever a launch did after its last record, until it died, was lost, and the flow's
-goodput ledger (tasks/goodput.py) counts it so. Appended and flushed, fsynced with the checkpoint's
+goodput ledger (tasks/training/goodput.py) counts it so. Appended and flushed, fsynced with the checkpoint's
 own files; a line cut short by a kill is skipped on reading.
 """
 

@@ -1,6 +1,6 @@
 """An output's claim: one writer per prepared-data directory, across processes and hosts sharing the data root.
 
-One of tessera's three exclusions, each named for what it guards: the run-name slot (tasks/run_slot.py,
+One of tessera's three exclusions, each named for what it guards: the run-name slot (tasks/runs/run_slot.py,
 one live flow run per run name), this claim (one writer per prepared output), and the save folder's
 lock (trainers/folder_lock.py, one trainer per run's checkpoints).
 

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict
 
 from evaluation.config import EvalConfig
 from infra.config import ComputeConfig
-from tasks.evaluate import evaluate_checkpoint
-from tasks.register import Registration, existing_registrations, register_checkpoint
+from tasks.gauntlet.evaluate import evaluate_checkpoint
+from tasks.registry.register import Registration, existing_registrations, register_checkpoint
 from tasks.tracking_config import TrackingConfig
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.format.store import CheckpointStore
@@ -93,8 +93,8 @@ class GauntletQueue:
         self.eval_cfg = target.eval.model_copy(update={"strict": True})
         self.remote_folder, self.version_tags = target.remote_folder, version_tags or {}
         self.store = store  # one store for the queue's life: the s3 face remembers the manifests it has read
-        # Pins a crashed flow left (one flow runs per run name, tasks/run_slot.py): what is still in the save folder
-        # is pinned again as it is found.
+        # Pins a crashed flow left (one flow runs per run name, tasks/runs/run_slot.py): what is still in the save
+        # folder is pinned again as it is found.
         stale = store.drop_pins()
         if stale:
             get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))

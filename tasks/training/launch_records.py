@@ -4,7 +4,7 @@ What the flow alone knows about a launch: when it was started and ended, how it 
 kind, a hang the watchdog saw), and the run's newest checkpoint before and after it. Two readers:
 the no-progress stop (`no_progress_streak`: launches in a row that ended without a new checkpoint,
 counted across the stage task's Prefect retries, which start with no memory of their own) and the
-goodput ledger (tasks/goodput.py), which adds what the trainer recorded inside each launch.
+goodput ledger (tasks/training/goodput.py), which adds what the trainer recorded inside each launch.
 
 `<run_dir>/ledger/launches.jsonl`, appended and fsynced per record; a line cut short by a crash is
 skipped on reading.

@@ -26,9 +26,9 @@ from prefect.cache_policies import NO_CACHE
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import close_run, find_run, model_ui_url, record_run, run_ui_url
 from tasks.recipe import Recipe, run_folder
-from tasks.register import Registration
+from tasks.registry.register import Registration
 from tasks.tracking_config import TrackingConfig
-from tasks.train import what_stays
+from tasks.training.train import what_stays
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # When the run is already failing, waiting out a long tracking outage only delays the real error.
@@ -153,8 +153,8 @@ def publish_registrations(tracking: TrackingConfig, run_name: str, registrations
 def bootstrap_champion(tracking: TrackingConfig, run_name: str, mlflow_run_id: str) -> None:
     """A model's first champion is its first run's best version; after that only the promotion rule moves it."""
     from tasks.mlflow_run import client_for, retrying
-    from tasks.promote import bootstrap
-    from tasks.register import best_of_run
+    from tasks.registry.promote import bootstrap
+    from tasks.registry.register import best_of_run
 
     name = tracking.registered_model
     client = client_for(tracking)

@@ -1,15 +1,15 @@
 """A stopped flow run's explanation stays its last state, as Prefect's UI shows only the last.
 
 Prefect's runner (in the worker: `prefect worker start`, `tessera up`'s) ends a cancel in this order: it SIGTERMs
-the flow's process, which stops its trainer and ends the run Cancelled with what stays (tasks/flow_outcome.py); it runs
-the flow's on_cancellation hooks, in a subprocess of their own; then it forces a Cancelled of its own over the
-flow's, "Flow run was cancelled successfully.". The hook cannot wait for that write (the runner waits for the hook
-first), so it starts this watcher as a process of its own session: for at most WATCH_S it reads the run's states,
-and once the runner's has replaced the flow's explanation it sets the explanation again, then exits. It never
-outlives WATCH_S, touches nothing when the flow wrote no explanation (a process killed before it could), and
+the flow's process, which stops its trainer and ends the run Cancelled with what stays (tasks/runs/flow_outcome.py);
+it runs the flow's on_cancellation hooks, in a subprocess of their own; then it forces a Cancelled of its own over
+the flow's, "Flow run was cancelled successfully.". The hook cannot wait for that write (the runner waits for the
+hook first), so it starts this watcher as a process of its own session: for at most WATCH_S it reads the run's
+states, and once the runner's has replaced the flow's explanation it sets the explanation again, then exits. It
+never outlives WATCH_S, touches nothing when the flow wrote no explanation (a process killed before it could), and
 leaves a run that moved on (a retry) alone.
 
-    python -m tasks.last_word FLOW_RUN_ID
+    python -m tasks.runs.last_word FLOW_RUN_ID
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def spawn(flow_run_id) -> None:
     if not PREFECT_API_URL.value():
         return
     subprocess.Popen(
-        [sys.executable, "-m", "tasks.last_word", str(flow_run_id)],
+        [sys.executable, "-m", "tasks.runs.last_word", str(flow_run_id)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -2,7 +2,7 @@
 
 `champion` moves only here, and every decision is written onto the versions involved: MLflow
 keeps no history of alias moves (mlflow#2169), so each version's decision history is
-(tasks/version_record.py: one JSON file per decision, never rewritten, read by `decision_history`).
+(tasks/registry/version_record.py: one JSON file per decision, never rewritten, read by `decision_history`).
 - the tag `promotion`: the latest decision this version took part in, from its side, because people
   filter on it: accepted | rejected (a challenger), defended | replaced (a champion), bootstrap,
   manual, outside tessera;
@@ -10,7 +10,7 @@ keeps no history of alias moves (mlflow#2169), so each version's decision histor
   `reasons`, `deltas` (headline and categories) with their `intervals`, `confidence` and `examples`,
   `run`, and `why` for an alias it gave the version,
   which the description repeats.
-A move of an alias made in MLflow's UI is found and recorded by `tasks.aliases.reconcile_aliases`.
+A move of an alias made in MLflow's UI is found and recorded by `tasks.registry.aliases.reconcile_aliases`.
 """
 
 from __future__ import annotations
@@ -27,15 +27,21 @@ from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
 from evaluation.spec import GauntletSpec
 from infra.config import ComputeConfig
-from tasks.aliases import CHAMPION_ALIAS, PREVIOUS_CHAMPION_ALIAS, reconcile_aliases, refresh_descriptions, set_aliases
 from tasks.artifacts import artifact_key
+from tasks.gauntlet.score import score_in_pod, score_model
 from tasks.mlflow_run import client_for, resolved_uri, retrying
-from tasks.promote_config import PromoteConfig
-from tasks.promote_lock import promotion_lock
-from tasks.promote_rule import Decision, decide
-from tasks.score import score_in_pod, score_model
+from tasks.registry.aliases import (
+    CHAMPION_ALIAS,
+    PREVIOUS_CHAMPION_ALIAS,
+    reconcile_aliases,
+    refresh_descriptions,
+    set_aliases,
+)
+from tasks.registry.promote_config import PromoteConfig
+from tasks.registry.promote_lock import promotion_lock
+from tasks.registry.promote_rule import Decision, decide
+from tasks.registry.version_record import append_decision, now
 from tasks.tracking_config import TrackingConfig
-from tasks.version_record import append_decision, now
 from trainers.contract import EXIT_FAILED, OneLineError
 
 log = logging.getLogger("tessera.promote")

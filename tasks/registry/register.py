@@ -24,7 +24,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
-from tasks.aliases import (  # noqa: F401 - the alias names are part of this module's interface
+from tasks.gauntlet.evaluate import EvalSummary
+from tasks.mlflow_run import RUN_NAME_TAG, client_for
+from tasks.registry.aliases import (  # noqa: F401 - the alias names are part of this module's interface
     BEST_ALIAS,
     BEST_MARGIN_TAG,
     CHAMPION_ALIAS,
@@ -34,11 +36,9 @@ from tasks.aliases import (  # noqa: F401 - the alias names are part of this mod
     refresh_descriptions,
     set_aliases,
 )
-from tasks.evaluate import EvalSummary
-from tasks.mlflow_run import RUN_NAME_TAG, client_for
+from tasks.registry.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from tasks.retry import retry_unless
 from tasks.tracking_config import TrackingConfig
-from tasks.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.format.mlflow_model import model_uri_for, publish, save_mlflow_model, weights_mb
 

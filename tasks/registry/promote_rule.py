@@ -2,7 +2,7 @@
 
 The rule sees two gauntlet reports scored on the same examples, with the same code and seed, and
 decides on intervals, not on two numbers (evaluation/noise.py): a gain within noise never promotes.
-tasks/promote.py records the decision and moves the aliases.
+tasks/registry/promote.py records the decision and moves the aliases.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from evaluation.compare import deltas
 from evaluation.noise import NotPaired, paired_gains
 from evaluation.report import GauntletReport
 from evaluation.spec import GauntletSpec
-from tasks.promote_config import PromoteConfig
+from tasks.registry.promote_config import PromoteConfig
 
 
 class Decision(BaseModel):

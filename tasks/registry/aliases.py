@@ -5,7 +5,7 @@ pencil, "Promote model") without tessera knowing. So tessera records, as registe
 the version it last set each alias to (`tessera.alias.<alias>`, one tag per alias so that two
 processes moving different aliases never overwrite each other's record). `reconcile_aliases`
 compares the aliases with that record; what differs was done outside tessera and is written into
-the decision history of the versions involved (tasks/version_record.py). Every `set_aliases`
+the decision history of the versions involved (tasks/registry/version_record.py). Every `set_aliases`
 reconciles first, so tessera's own move never hides an earlier one made elsewhere.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from tasks.version_record import append_decision, decision_history, now, version_record, why_of
+from tasks.registry.version_record import append_decision, decision_history, now, version_record, why_of
 
 # MLflow reserves the alias `latest` (models:/name/latest is built in and means the highest version
 # number), so the moving "latest" pointer is this alias instead.
@@ -26,7 +26,7 @@ PREVIOUS_CHAMPION_ALIAS = "previous-champion"
 RECORD_TAG = "tessera.aliases"
 ALIAS_TAG_PREFIX = "tessera.alias."
 OUTSIDE = "outside tessera"
-# How far `best` stands from the runner-up, in words with its interval (tasks/register.py writes it as a
+# How far `best` stands from the runner-up, in words with its interval (tasks/registry/register.py writes it as a
 # registered-model tag): `best` is the point estimate, and its description says when that is within noise.
 BEST_MARGIN_TAG = "tessera.best.margin"
 

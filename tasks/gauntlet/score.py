@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from evaluation.config import EvalConfig
 from evaluation.report import GauntletReport
 from infra.config import ComputeConfig
-from tasks.evaluate import retry_unless_bad_input, run_eval_pod
+from tasks.gauntlet.evaluate import retry_unless_bad_input, run_eval_pod
 
 
 @task(cache_policy=NO_CACHE, task_run_name="score-{model}")
@@ -58,9 +58,9 @@ _SUMMARY_MAX_BYTES = 64 << 20
 def score_in_pod(
     model: str, cfg: EvalConfig, tracking_uri: str | None, compute: ComputeConfig, unit: str
 ) -> GauntletReport:
-    """Score one model in an evaluation pod, as `_evaluate_in_pod` scores a checkpoint (tasks.evaluate.run_eval_pod:
-    the same launcher, limit on pods at once and failures). `unit` names the pod's Job, so a restarted flow finds
-    the pod of the same model again instead of starting another."""
+    """Score one model in an evaluation pod, as `_evaluate_in_pod` scores a checkpoint
+    (tasks.gauntlet.evaluate.run_eval_pod: the same launcher, limit on pods at once and failures). `unit` names the
+    pod's Job, so a restarted flow finds the pod of the same model again instead of starting another."""
     from evaluation.protocol import parse_summary
 
     logger = get_run_logger()

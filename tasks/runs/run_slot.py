@@ -2,7 +2,7 @@
 
 (The other exclusions: an output's claim, tasks/data/claim.py; the save folder's lock,
 trainers/folder_lock.py, which also covers trainers started outside Prefect; the promotion lock,
-tasks/promote_lock.py.)
+tasks/registry/promote_lock.py.)
 
 Runs start from clicks and schedules: a double click, or a schedule firing while someone's manual
 run of the same name trains, must never put two trainers into one save folder. The flow takes the

@@ -1,7 +1,7 @@
 """The goodput ledger: where a run's wall time went, from what the flow and the trainer already record.
 
 Two sources, no new instrumentation:
-- the flow's launch records (tasks/launch_records.py): each launch's start, end, how it ended, and a hang's
+- the flow's launch records (tasks/training/launch_records.py): each launch's start, end, how it ended, and a hang's
   silence before the watchdog killed it;
 - each launch's time records (trainers/time_records.py): rank 0's seconds per heartbeat phase, written
   at every checkpoint and at the stage's end, so they count only work a checkpoint kept.
@@ -36,8 +36,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from tasks import launch_records
-from tasks.train_job import checkpoint_store
+from tasks.training import launch_records
+from tasks.training.train_job import checkpoint_store
 from trainers import time_records
 from trainers.config import TrainJob
 

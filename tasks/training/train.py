@@ -33,10 +33,10 @@ from infra import allow_launches, backend_for, stopping
 from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
 from infra.watchdog import budgets_env
-from tasks import launch_records
 from tasks.retry import retry_unless
-from tasks.train_job import checkpoint_store
-from tasks.train_progress import ProgressRelay
+from tasks.training import launch_records
+from tasks.training.train_job import checkpoint_store
+from tasks.training.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, TrainJob
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, FATAL, HOLDER_ENV, INTERRUPTED, OneLineError
 from trainers.progress import parse_damage
@@ -276,8 +276,8 @@ def _newest_tokens(spec: TrainJob, compute: ComputeConfig) -> int:
 
 
 def newest_checkpoint(spec: TrainJob, compute: ComputeConfig):
-    """The run's newest complete checkpoint where the flow can read it (tasks/train_job.checkpoint_store); None when
-    there is none."""
+    """The run's newest complete checkpoint where the flow can read it (tasks/training/train_job.checkpoint_store);
+    None when there is none."""
     return checkpoint_store(spec, compute).newest()
 
 

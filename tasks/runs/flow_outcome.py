@@ -70,7 +70,7 @@ def _end_as(state) -> NoReturn:
     from prefect.exceptions import Abort
     from prefect.runtime import flow_run
 
-    from tasks.last_word import set_state
+    from tasks.runs.last_word import set_state
 
     result = set_state(flow_run.id, state)  # retried: a server slow or locked for seconds must not lose it
     signal = Abort(state.message)
@@ -80,11 +80,11 @@ def _end_as(state) -> NoReturn:
 
 def run_or_end(run_name: str, body: Callable[[], T], stays: Callable[[], str] | None = None) -> T:
     """`body()`'s result; a refusal or a stop ends the flow run in the state that says so instead. `stays` says
-    what a stopped run keeps (tasks/train.what_stays), read once the trainer is gone."""
+    what a stopped run keeps (tasks/training/train.what_stays), read once the trainer is gone."""
     from prefect.exceptions import TerminationSignal
     from prefect.states import Cancelled
 
-    from tasks.run_slot import RunBusy
+    from tasks.runs.run_slot import RunBusy
 
     try:
         return body()
@@ -103,8 +103,8 @@ def run_or_end(run_name: str, body: Callable[[], T], stays: Callable[[], str] | 
 
 def keep_last_word(flow_run_id) -> None:
     """From an on_cancellation hook: keep the explanation this flow run ended with as its last state, over the
-    Cancelled Prefect's runner writes after the hooks (tasks/last_word.py)."""
-    from tasks.last_word import spawn
+    Cancelled Prefect's runner writes after the hooks (tasks/runs/last_word.py)."""
+    from tasks.runs.last_word import spawn
 
     spawn(flow_run_id)
 

@@ -3,12 +3,12 @@
 Promotion reads the champion, scores for minutes to hours, then moves `champion`. Every path that
 moves it (a continued run's promotion, from either deployment or `tessera continue`; the first
 champion's bootstrap; `tessera promote`) takes this lock, re-reads the champion inside it, and
-decides again when it changed (tasks/promote.py), so a promotion made meanwhile is never reverted
+decides again when it changed (tasks/registry/promote.py), so a promotion made meanwhile is never reverted
 and `previous-champion` always names a version that was champion.
 
 The lock is a one-slot Prefect global concurrency limit, `tessera-promote-<model>`, on a lease: a
 holder killed outright frees it when the lease expires. It is held for the seconds a decision takes
-to record, never while scoring. (The other exclusions: tasks/run_slot.py, tasks/data/claim.py,
+to record, never while scoring. (The other exclusions: tasks/runs/run_slot.py, tasks/data/claim.py,
 trainers/folder_lock.py.)
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from tasks.run_slot import ensure_limit, slot_timeout
+from tasks.runs.run_slot import ensure_limit, slot_timeout
 from trainers.contract import EXIT_FAILED, OneLineError
 
 LEASE_S = 60.0

@@ -67,7 +67,7 @@ def install_log_filter() -> None:
 
 class _CancelledIsNotAnError(logging.Filter):
     """Prefect's task engine logs every end but Completed at ERROR: a stage task that ends Cancelled because its flow
-    run is being stopped (tasks/train.train_stage) would put a red line in a clean cancel's log."""
+    run is being stopped (tasks/training/train.train_stage) would put a red line in a clean cancel's log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
