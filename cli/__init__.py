@@ -6,6 +6,7 @@ k8s.py           `tessera k8s render` and `status`: the Kubernetes backend's obj
 deploy.py        `tessera deploy`: prefect.yaml's deployments published, their forms bounded by a recipe
 forms.py         the published forms' schemas: a recipe's bounds, and every bound where Prefect's UI checks it
 up.py            `tessera up`: Prefect server, a process worker and MLflow on this machine, until Ctrl-C
+up_plan.py       what `tessera up` will start and where: ports, URLs, each service's command and environment
 up_stack.py      the processes `tessera up` starts and stops, and everything they start in turn
 service_logs.py  errors `tessera up`'s services log, said on its terminal too
 """

@@ -1,8 +1,8 @@
 """`tessera up`: the whole UI on this machine, Prefect server + a process worker + MLflow, until Ctrl-C.
 
-This module decides what to start and where (ports, folders, the environment each service gets),
-starts it, publishes the deployments and says where everything is; cli/up_stack.py owns the
-processes, how they are watched (their errors said on the terminal) and how they are stopped.
+This module starts what cli/up_plan.py decided (ports, folders, the environment each service gets), publishes the
+deployments and says where everything is; cli/up_stack.py owns the processes, how they are watched (their errors
+said on the terminal) and how they are stopped.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,7 +20,6 @@ import httpx
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from cli.deploy import (
-    QUIET_ENV,
     Deployed,
     DeployError,
     Project,
@@ -31,42 +28,17 @@ from cli.deploy import (
     load_project,
     recipe_default,
 )
-from cli.up_stack import Service, UpError, _become_subreaper, _Stack
-from tasks.mlflow_run import SERVED_STORE_ENV, resolved_uri
-from tasks.recipe import Recipe, load_recipe
+from cli.up_plan import LOCAL_POOL, Plan, UpOptions, plan_up
+from cli.up_stack import UpError, _become_subreaper, _Stack
+from tasks.recipe import load_recipe
 from tasks.runs.run_slot import ensure_names_lock
-from tasks.runs.runtime import PREFECT_SERVER_OUTAGE
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED
 
-LOCAL_POOL = "tessera-local"
 STATE_FILE = "state.json"
-
-# Every service and flow run gets what cli/main.py sets for itself (offline, quiet), and no telemetry.
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "PREFECT_CLIENT_MAX_RETRIES": PREFECT_SERVER_OUTAGE[1],  # flow runs ride out a server restart
-    **QUIET_ENV,
-}
 
 
 class _Stopped(BaseException):
     """Ctrl-C or SIGTERM: a request to stop, not an error."""
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    recipe: str
-    work_dir: str | None = None  # default: the recipe's work_dir, where `tessera run` keeps Prefect's database
-    host: str = "127.0.0.1"
-    prefect_port: int = 4200
-    mlflow_port: int = 5000
-    deploy: bool = True
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -78,11 +50,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _url_host(host: str) -> str:
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"[{host}]" if ":" in host else host
 
 
 def _answers(url: str) -> bool:
@@ -119,127 +86,6 @@ def _on_signal(signum: int, frame) -> None:
     raise _Stopped(signum)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What `tessera up` will start and where, decided before anything starts."""
-
-    work_dir: Path
-    api: str
-    ui: str
-    mlflow_url: str
-    store: str | None  # the MLflow store served here; None when the recipe names its own server
-    worker_name: str
-    server: Service
-    worker: Service
-    mlflow: Service | None
-    ports: dict[str, int]
-    recipe: str  # every form's default recipe: the one whose store is served
-
-    @property
-    def logs(self) -> Path:
-        return self.work_dir / "up"
-
-
-def _plan(opts: UpOptions, recipe: Recipe, project: Project) -> _Plan:
-    work_dir = Path(opts.work_dir or recipe.work_dir).resolve()
-    logs, prefect_home = work_dir / "up", work_dir / "prefect"
-    host = _url_host(opts.host)
-    api, ui = f"http://{host}:{opts.prefect_port}/api", f"http://{host}:{opts.prefect_port}"
-    tracking = resolved_uri(recipe.tracking.tracking_uri)
-    own_mlflow = not tracking.startswith(("http://", "https://"))
-    mlflow_url = f"http://{host}:{opts.mlflow_port}" if own_mlflow else tracking
-    home = {
-        "PREFECT_HOME": str(prefect_home),
-        "PREFECT_PROFILES_PATH": str(prefect_home / "profiles.toml"),
-        "PYTHONUNBUFFERED": "1",
-        **OFFLINE_ENV,
-    }
-    worker_name = f"tessera-up@{socket.gethostname()}"
-    server = Service(
-        "prefect-server",
-        [sys.executable, "-m", "prefect", "server", "start", "--host", opts.host, "--port", str(opts.prefect_port)],
-        {
-            **home,
-            # the UI asks /ui-settings where the API is: that comes from these settings, not from --host/--port
-            "PREFECT_SERVER_API_HOST": opts.host,
-            "PREFECT_SERVER_API_PORT": str(opts.prefect_port),
-            "PREFECT_API_URL": api,
-            "PREFECT_UI_API_URL": api,
-            # in memory, a run-name slot held when the server stops would stay held after its restart
-            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
-        },
-        logs / "prefect-server.log",
-        ui,
-    )
-    worker = Service(
-        "prefect-worker",
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "worker",
-            "start",
-            "--pool",
-            LOCAL_POOL,
-            "--type",
-            project.pools[LOCAL_POOL].type,
-            "--name",
-            worker_name,
-        ],
-        {
-            **home,
-            "PREFECT_API_URL": api,
-            "TESSERA_MLFLOW_UI_URL": mlflow_url,
-            SERVED_STORE_ENV: tracking,  # a run on another recipe's store says so (flows/pipeline.py)
-            "PREFECT_WORKER_QUERY_SECONDS": "2",
-        },  # a click in the UI starts a run within seconds
-        logs / "prefect-worker.log",
-        f"{ui}/work-pools/work-pool/{LOCAL_POOL}",
-    )
-    mlflow = None
-    if own_mlflow:
-        argv = [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            tracking,
-            "--host",
-            opts.host,
-            "--port",
-            str(opts.mlflow_port),
-            "--workers",
-            "1",
-        ]
-        location = recipe.tracking.artifact_location
-        if location:  # where runs logged through this server keep artifacts; tessera's own runs name theirs
-            argv += ["--artifacts-destination", location if "://" in location else str(Path(location).resolve())]
-        # MLflow's job runner serves GenAI jobs tessera never submits: two processes less on a small machine
-        mlflow = Service(
-            "mlflow",
-            argv,
-            {**home, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-            logs / "mlflow.log",
-            mlflow_url,
-            essential=False,
-        )
-    ports = {"--prefect-port": opts.prefect_port, **({"--mlflow-port": opts.mlflow_port} if own_mlflow else {})}
-    return _Plan(
-        work_dir,
-        api,
-        ui,
-        mlflow_url,
-        tracking if own_mlflow else None,
-        worker_name,
-        server,
-        worker,
-        mlflow,
-        ports,
-        opts.recipe,
-    )
-
-
 def _check_ports(host: str, ports: dict[str, int]) -> None:
     if len(set(ports.values())) < len(ports):
         raise UpError(f"{' and '.join(ports)} are the same port ({next(iter(ports.values()))})", EXIT_BAD_INPUT)
@@ -260,7 +106,7 @@ def up(opts: UpOptions) -> int:
         raise UpError(str(exc), EXIT_BAD_INPUT) from None
     if LOCAL_POOL not in project.pools:
         raise UpError(f"{project.root / 'prefect.yaml'}: definitions.work_pools has no {LOCAL_POOL!r}", EXIT_BAD_INPUT)
-    plan = _plan(opts, recipe, project)
+    plan = plan_up(opts, recipe, project)
     _check_ports(opts.host, plan.ports)
     folders = [plan.logs, Path(plan.server.env["PREFECT_HOME"])]
     if plan.store and plan.store.startswith("sqlite:///"):
@@ -277,7 +123,7 @@ def up(opts: UpOptions) -> int:
         lock.close()
 
 
-def _run(plan: _Plan, project: Project, publish: bool) -> int:
+def _run(plan: Plan, project: Project, publish: bool) -> int:
     stack = _Stack()
     started = time.monotonic()
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -346,7 +192,7 @@ def _unstick(api: str):
     return round_
 
 
-def _write_state(plan: _Plan, stack: _Stack) -> None:
+def _write_state(plan: Plan, stack: _Stack) -> None:
     """Where everything runs, for tools and tests; service env holds only what tessera sets (no secrets)."""
     state = {
         "pid": os.getpid(),
@@ -380,7 +226,7 @@ def mlflow_ui(base: str) -> str:
     return f"{base.rstrip('/')}/#/experiments?workflowType=machine_learning"
 
 
-def _print_ready(seconds: float, plan: _Plan, deployed: list[Deployed], stack: _Stack) -> None:
+def _print_ready(seconds: float, plan: Plan, deployed: list[Deployed], stack: _Stack) -> None:
     width = max((len(f"{d.flow_name}/{d.name}") for d in deployed), default=0)
     lines = [
         f"tessera up: ready in {seconds:.1f} s (Ctrl-C stops everything)",

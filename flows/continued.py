@@ -28,7 +28,7 @@ from tasks import consumed_files, continuation
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for
 from tasks.recipe import NAME_PATTERN, Recipe, load_recipe
-from tasks.recipe_form import form_input
+from tasks.recipe_form import PeakLR, form_input
 from tasks.registry.aliases import reconcile_registry
 from tasks.registry.promote import Decision, champion_version, promote_challenger
 from tasks.registry.register import CHAMPION_ALIAS, checkpoint_of
@@ -77,12 +77,8 @@ class ContinueParams(RecipeTarget):
     replay_fraction: float = Field(
         0.2, ge=0, lt=1, description="Share of each batch drawn from the recipe's own sources, against forgetting."
     )
-    lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
-        None,
-        gt=0,
-        le=1,
-        title="Peak learning rate",
-        description="Peak LR of the rewarm: above 0 and at most 1. Empty: the recipe's train.optim.lr.",
+    lr: PeakLR = Field(
+        None, description="Peak LR of the rewarm: above 0 and at most 1. Empty: the recipe's train.optim.lr."
     )
     rewarm_fraction: float = Field(
         0.1, ge=0, lt=1, description="Share of the budget spent warming the LR back up from zero."

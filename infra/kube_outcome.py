@@ -2,7 +2,7 @@
 
 The launcher turns what it sees (pod phases and conditions, container states, Job and JobSet
 conditions, the scheduler's events) into an Outcome: an exit code that lands in the right class
-of tasks.training.train.exit_kind, and one line saying what happened, which becomes the last line of the
+of tasks.training.stage_ends.exit_kind, and one line saying what happened, which becomes the last line of the
 job's log and so the task's error message.
 
 | what happened                                        | cause      | code |

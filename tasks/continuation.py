@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tasks.consumed_files import Consumed
 from tasks.data.config import DataConfig
-from tasks.mlflow_run import client_for, retrying
+from tasks.mlflow_run import client_for
 from tasks.recipe import Recipe, RecipeError
 from tasks.registry.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
@@ -49,10 +49,9 @@ def new_source(run_name: str, files: list[Consumed], kind: str, separator: str |
 
 def challenger(tracking: TrackingConfig, name: str, mlflow_run_id: str) -> int | None:
     """The run's best registered version of `name`, the challenger the promotion rule weighs; None if it has none."""
-    from tasks.registry.register import best_of_run
+    from tasks.registry.register import run_best
 
-    client = client_for(tracking)
-    best = retrying("finding the run's best version", lambda: best_of_run(client, name, mlflow_run_id))
+    best = run_best(tracking, name, mlflow_run_id)
     return int(best) if best else None
 
 

@@ -26,6 +26,15 @@ def form_input(schema: dict) -> tuple:
     return WithJsonSchema(schema), Field(json_schema_extra=_no_default)
 
 
+# The peak-LR input of both forms (a run's overrides, a continuation's rewarm): its bounds and title; each form
+# says in its own description what an empty field means.
+PeakLR = Annotated[
+    float | None,
+    *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    Field(gt=0, le=1, title="Peak learning rate"),
+]
+
+
 class StageBudget(BaseModel):
     """One row of the form's stage budgets."""
 
@@ -52,13 +61,7 @@ class RecipeOverrides(BaseModel):
         description="Token budget of curriculum stages, one row per stage to change (the others keep the "
         "recipe's). Each budget is a positive multiple of that stage's global_batch_size x seq_len.",
     )
-    lr: Annotated[float | None, *form_input({"type": "number", "exclusiveMinimum": 0, "maximum": 1})] = Field(
-        None,
-        gt=0,
-        le=1,
-        title="Peak learning rate",
-        description="Peak learning rate (train.optim.lr): above 0 and at most 1.",
-    )
+    lr: PeakLR = Field(None, description="Peak learning rate (train.optim.lr): above 0 and at most 1.")
     eval_every: Annotated[PositiveInt | None, *form_input({"type": "integer", "minimum": 1})] = Field(
         None,
         title="Checkpoint every (tokens)",

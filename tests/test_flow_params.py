@@ -12,7 +12,7 @@ from tasks.artifacts import artifact_key
 from tasks.recipe import NAME_PATTERN, RecipeError, load_recipe
 from tasks.recipe_form import apply_overrides
 from tasks.runs.flow_outcome import form_values
-from tasks.training.train import exit_kind
+from tasks.training.stage_ends import exit_kind
 from tasks.training.train_progress import ProgressRelay, Rate, describe, progress_bar
 from tests.conftest import ROOT
 
@@ -205,7 +205,7 @@ def test_a_dead_tracking_server_at_close_never_hides_the_training_error(prefect_
 
     import tasks.runs.run_record as run_record
     from tasks.tracking_config import TrackingConfig
-    from tasks.training.train import TrainingFatal
+    from tasks.training.stage_ends import TrainingFatal
 
     monkeypatch.setattr(run_record, "CLOSE_AFTER_FAILURE_S", 3.0)
     dead = TrackingConfig(tracking_uri="http://127.0.0.1:9", registered_model="m")

@@ -284,7 +284,7 @@ def test_a_hang_in_a_save_is_judged_on_the_save_budget_and_launches_without_prog
 ):
     """Every launch hangs in its first checkpoint save (a fault hook): the watchdog names phase save on the save
     budget, not the step's 60 s; two launches in a row without a new checkpoint stop the stage as fatal."""
-    from tasks.training.train import NoProgress
+    from tasks.training.stage_ends import NoProgress
 
     monkeypatch.setenv("TESSERA_FAULT", "stall-save:600")
     job, job_path = _job(tmp_path, source, save_s=6, bytes_per_s=1e12, no_progress_launches=2)

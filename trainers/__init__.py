@@ -1,9 +1,10 @@
 """What runs inside a training pod: `python -m trainers.train --job JOB.json --stage K`.
 
 train.py           thin entrypoint: parse, build, fit, close; exit codes from exit_codes.py
-jobfile.py         read + validate the TrainJob (config.py) without heavy imports
-config.py          the typed sections the recipe owns here (model, train) and the resolved TrainJob
+jobfile.py         read + validate the TrainJob (config/job.py) without heavy imports
+config/            the typed sections the recipe owns here (model, train) and the resolved TrainJob
 build.py           assemble the Composer Trainer for one stage
+start.py           where a launch starts: its process group, the plan every rank shares, each node's data check
 model.py           the Llama-style decoder, size presets, vocabulary padding, FLOPs per token
 compile.py         train.compile: each block's forward compiled, the keyed kernel cache, the compile phase
 lm_loss.py         the training loss without the logits: a chunked, fused linear cross-entropy

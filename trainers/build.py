@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import json
 import logging
 import os
 import pickle
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +16,7 @@ from composer.core import Event
 from composer.models import HuggingFaceModel
 
 from trainers import compile as compile_lib
-from trainers import folder_lock, heartbeat, preflight
+from trainers import heartbeat, preflight
 from trainers import model as model_lib
 from trainers.callbacks import Heartbeat, LossGuard, MlflowMetrics, Progress
 from trainers.config import MlflowTarget, ModelConfig, OptimConfig, Stage, TrainJob
@@ -30,27 +26,24 @@ from trainers.data import (
     build_val_evaluators,
     cache_dir_for,
 )
-from trainers.data_check import verify_streams
 from trainers.exit_codes import FatalError
-from trainers.faults import Probe, maybe_stall
-from trainers.format.export import embedding_rows
+from trainers.faults import Probe
 from trainers.format.mlflow_model import download_model
-from trainers.format.safe_load import UnsafeCheckpoint, refusal
+from trainers.format.safe_load import refusal
 from trainers.layout import RunFolder
 from trainers.lm_loss import use_fused_loss
 from trainers.metrics_journal import RemoteCopy, remote_copy
 from trainers.optimizer_seed import seed_optimizer
-from trainers.plan import StartPlan, drop_dataset_state, plan_start, prepare_node
-from trainers.progress import format_start
+from trainers.plan import StartPlan, drop_dataset_state
 from trainers.rank_timing import RankTiming
 from trainers.remote import fetch_folder
-from trainers.rendezvous import init_process_group, rank0_decides, read, run_and_post, setup_store, world
+from trainers.rendezvous import world
 from trainers.rng import RestoreRng
-from trainers.rollback import apply_skip, pending_skip
+from trainers.rollback import apply_skip
 from trainers.saver import PublishingCheckpointSaver, checkpoint_due
 from trainers.schedule import GlobalLRSchedule
 from trainers.sharding import average_gradients_over_gloo, is_sharded, parallelism_config, shard_initialised
-from trainers.shm import clean_stale_streaming_shm, leader_decides_prefixes
+from trainers.start import checkpoint_bytes, start
 
 log = logging.getLogger("tessera.train")
 
@@ -72,106 +65,6 @@ def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Opt
         fused=fused,
         foreach=not fused,
     )
-
-
-def _say_start(job: TrainJob, stage_index: int, plan: StartPlan) -> None:
-    """The launch's start line (trainers/progress.py): the flow tells the person watching where it resumed."""
-    import datetime as dt
-    import sys
-
-    stage = job.stage(stage_index)
-    ckpt = plan.checkpoint or {}
-    written = None
-    if ckpt.get("path"):
-        with contextlib.suppress(OSError):
-            mtime = Path(ckpt["path"]).stat().st_mtime
-            written = dt.datetime.fromtimestamp(mtime, dt.UTC).isoformat(timespec="seconds")
-    record = {
-        "stage": stage.name,
-        "stage_index": stage_index,
-        "kind": "done" if plan.tokens >= stage.end else plan.kind,
-        "tokens": plan.tokens,
-        "step": ckpt.get("batch", 0),
-        "checkpoint": ckpt.get("path"),
-        "written": written,
-        "init_from": job.model.init_from if plan.kind == "fresh" else None,
-    }
-    print(format_start(record), file=sys.stdout, flush=True)
-
-
-def _plan(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
-    """(start plan, samples to skip): rank 0 takes the run's lease, repairs the save folder and decides.
-
-    The lease comes first: the repair deletes files, which must never happen under a live
-    trainer of the same run. Then the first rank of every other node makes sure the checkpoint
-    to load is in its own local folder.
-    """
-
-    def decide() -> dict:
-        folder_lock.acquire(job.save_folder, job.run_name)
-        plan = plan_start(job, stage_index)
-        if plan.checkpoint is not None:  # the rows a run keeps: trainers/build._model_config
-            try:
-                rows = embedding_rows(plan.checkpoint["path"], trust=job.train.trust_checkpoints)
-            except UnsafeCheckpoint as exc:  # refused on every relaunch: fatal, like Composer's own load of it
-                raise FatalError(str(exc)) from None
-            plan = dataclasses.replace(plan, vocab_rows=rows)
-        return {"plan": dataclasses.asdict(plan), "skip": pending_skip(RunFolder.of(job), stage_index, plan.tokens)}
-
-    decided = rank0_decides(decide)
-    plan, skip = StartPlan(**decided["plan"]), int(decided["skip"])
-    to_train = plan.tokens < job.stage(stage_index).end
-    _, world_size = world()
-    if world_size == 1 and to_train:
-        _verify_data(job, stage_index)
-    if world_size > 1:
-        # No rank loads before every node has its file and has checked its data; each node's first rank says when.
-        node, nodes = (
-            int(os.environ.get("NODE_RANK", "0")),
-            world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        )
-
-        def ready() -> bool:
-            if to_train:
-                _verify_data(job, stage_index)
-            if node != 0:  # rank 0's node has the file: rank 0 planned from it
-                prepare_node(job, stage_index, plan)
-            return True
-
-        with setup_store() as store:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                run_and_post(store, f"tessera/node-ready/{node}", ready)
-            for other in range(nodes):
-                read(store, f"tessera/node-ready/{other}")
-    return plan, skip
-
-
-def _checkpoint_bytes(job: TrainJob) -> int:
-    return job.model.checkpoint_bytes(job.vocab_size)
-
-
-def _data_bytes(job: TrainJob, stage_index: int) -> int:
-    """The bytes a launch's data check reads: the stage's local shards as their indexes record them."""
-    stage = job.stage(stage_index)
-    total = 0
-    for path in [stage.streams[name] for name in stage.config.mixture] + list(job.val_streams.values()):
-        if "://" in path:
-            continue
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            shards = json.loads((Path(path) / "index.json").read_text())["shards"]
-            total += sum(s["raw_data"]["bytes"] for s in shards)
-    return total
-
-
-def _verify_data(job: TrainJob, stage_index: int) -> None:
-    """Every shard this node reads in the stage (its mixture and the held-out splits) against its index's hash
-    (trainers/data_check.py): a damaged one is a fatal DamagedData naming it, before anything trains."""
-    stage = job.stage(stage_index)
-    streams = {name: stage.streams[name] for name in stage.config.mixture}
-    streams |= {f"{name} (val)": path for name, path in job.val_streams.items()} if job.train.val_batches else {}
-    started = time.monotonic()
-    verify_streams(streams, functools.partial(cache_dir_for, run=job.run_name))
-    log.info("prepared data verified: %d stream(s) in %.1fs", len(streams), time.monotonic() - started)
 
 
 def _wrap(hf_model, tokenizer, compiled: bool = False) -> HuggingFaceModel:
@@ -212,7 +105,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
     if not 0 <= stage_index < len(job.train.stages):
         raise FatalError(f"--stage: {stage_index} is out of range, the job has {len(job.train.stages)} stage(s)")
     stage = job.stage(stage_index)
-    plan, skip = _start(job, stage_index)
+    plan, skip = start(job, stage_index)
     copy = remote_copy(job) if world()[0] == 0 else None  # global rank 0 alone sends metrics
     if copy is not None:
         # A fresh pod's disk has no journal or marker: before anything reads them, and before a finished
@@ -229,7 +122,7 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
     args = {**_data_args(job, stage), **_run_args(job, stage, plan, hf_model)}
-    heartbeat.phase("load", hint_bytes=_checkpoint_bytes(job) if plan.kind != "fresh" else 0)
+    heartbeat.phase("load", hint_bytes=checkpoint_bytes(job) if plan.kind != "fresh" else 0)
     _cpu_model_without_a_child_python()
     with _refused_as_fatal(plan), shard_initialised(job.model.init_std, job.train.seed, init_source):
         trainer = Trainer(model=model, optimizers=optimizer, callbacks=callbacks, **args)
@@ -294,39 +187,6 @@ def _refused_as_fatal(plan: StartPlan):
         if not isinstance(exc, (pickle.UnpicklingError, CheckpointException)) or "weights only" not in str(exc).lower():
             raise
         raise FatalError(refusal((plan.checkpoint or {}).get("path") or plan.load_path, exc)) from None
-
-
-def _start(job: TrainJob, stage_index: int) -> tuple[StartPlan, int]:
-    """Join the launch's process group, decide where the stage starts (rank 0 repairs and plans; the plan
-    reaches every rank), clear a killed launch's shared memory, and say where it starts."""
-    maybe_stall("launch", stage_index)  # test hook: a launch that is slow to start
-    # Planning may download the checkpoint to resume from and verifies the stage's data: budgeted by their size.
-    heartbeat.phase("plan", hint_bytes=_checkpoint_bytes(job) + _data_bytes(job, stage_index))
-    _, world_size = world()
-    if world_size > 1:
-        # One process group for the whole launch, made before anything else needs one: Streaming's
-        # cleanup would otherwise create and destroy its own, and re-creating a group on the same
-        # port right after can race a peer still leaving the old one.
-        from composer.utils import dist, get_device
-
-        device, timeout = get_device(None), float(os.environ.get(DIST_TIMEOUT_ENV, DIST_TIMEOUT_S))
-        init_process_group(device.dist_backend.lower(), timeout)  # its store listens only where the launcher said
-        dist.initialize_dist(device, timeout)  # Composer's checks; the group exists already
-    plan, skip = _plan(job, stage_index)
-    # A kill -9 leaves Streaming's shared memory behind (trainers/shm.py): local rank 0 removes the
-    # segments no live process maps, while the node's other ranks wait; a live job's stay.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        clean_stale_streaming_shm()
-    leader_decides_prefixes()  # before any dataset: another job on this host may be making its own
-    if world_size > 1:
-        from composer.utils import dist
-
-        dist.barrier()
-    stage = job.stage(stage_index)
-    log.info("stage %s (%d): %s at %d tokens", stage.name, stage_index, plan.kind, plan.tokens)
-    if world()[0] == 0:
-        _say_start(job, stage_index, plan)
-    return plan, skip
 
 
 def _model(

@@ -284,26 +284,7 @@ def _write(
                 "tokens_written": w.samples * data.seq_len,
                 "tokens_dropped": dropped,
             }
-        docs = counts["train"]["documents"] + counts["val"]["documents"]
-        where = f"source '{src.name}'"
-        if docs == 0:
-            raise DataError(
-                where,
-                f"no documents ({sum(tally.skipped.values())} skipped, {tally.filtered} filtered, {len(p.refs)} files)",
-            )
-        if counts["train"]["samples"] == 0:
-            raise DataError(
-                where, f"{counts['train']['tokens']} train tokens is less than one seq_len ({data.seq_len}) sample"
-            )
-        if src.val_fraction > 0 and counts["val"]["samples"] == 0:
-            # Training would silently report no validation loss for this source.
-            raise DataError(
-                where,
-                f"val_fraction={src.val_fraction} held out no validation sample "
-                f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
-                f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
-                "seq_len, or set val_fraction: 0",
-            )
+        _refuse_empty(p, data, counts, tally)
         warnings = [
             f"source '{src.name}': {path} ({size:,} bytes) is one document: the separator "
             f"{getattr(src, 'separator', None)!r} never occurs in it"
@@ -312,38 +293,7 @@ def _write(
         ]
         for w in warnings:
             log.warning("%s", w)
-        prov = {
-            "source": src.model_dump(mode="json"),
-            "hash": p.key,
-            "inputs": p.files,
-            "tokenizer": tok.model_dump(mode="json"),
-            "seq_len": data.seq_len,
-            "packing": "concatenate documents, each followed by EOS (BOS first when set); no padding; "
-            "the final remainder of fewer than seq_len tokens per split is dropped",
-            "counts": {
-                **counts,
-                "documents": docs,
-                "tokens": counts["train"]["tokens"] + counts["val"]["tokens"],
-                "skipped_total": sum(tally.skipped.values()),
-                "skipped": dict(sorted(tally.skipped.items())),
-                "filtered": tally.filtered,
-                "truncated": tally.truncated,
-                "capped": any(r.capped for r in results),
-            },
-            "warnings": warnings,
-            "format": {
-                "columns": columns(tok.dtype, data.seq_len),
-                "compression": data.compression,
-                "hashes": list(data.hashes),
-                "units": sum(r.units for r in results),
-                "parts": len(jobs),
-            },
-            "code_version": hashing.CODE_VERSION,
-            "git_sha": hashing.git_sha(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": round(time.time() - started, 3),
-        }
+        prov = _provenance(p, data, tok, counts, tally, results, len(jobs), warnings, started)
         outputs.write_json(os.path.join(staging, outputs.PROVENANCE), prov)
     log.info(
         "source %s: wrote %d samples (%d tokens) to %s",
@@ -356,6 +306,75 @@ def _write(
         remote_root.publish(p.out, p.remote)
         log.info("source %s: published to %s", src.name, p.remote)
     return _result(p, prov, cached=False)
+
+
+def _refuse_empty(p: Plan, data: DataConfig, counts: dict, tally: Tally) -> None:
+    """An output that would train on nothing, or report no validation loss, is refused in one line."""
+    src, where = p.source, f"source '{p.source.name}'"
+    if counts["train"]["documents"] + counts["val"]["documents"] == 0:
+        raise DataError(
+            where,
+            f"no documents ({sum(tally.skipped.values())} skipped, {tally.filtered} filtered, {len(p.refs)} files)",
+        )
+    if counts["train"]["samples"] == 0:
+        raise DataError(
+            where, f"{counts['train']['tokens']} train tokens is less than one seq_len ({data.seq_len}) sample"
+        )
+    if src.val_fraction > 0 and counts["val"]["samples"] == 0:
+        # Training would silently report no validation loss for this source.
+        raise DataError(
+            where,
+            f"val_fraction={src.val_fraction} held out no validation sample "
+            f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
+            f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
+            "seq_len, or set val_fraction: 0",
+        )
+
+
+def _provenance(
+    p: Plan,
+    data: DataConfig,
+    tok: TokenizerInfo,
+    counts: dict,
+    tally: Tally,
+    results: list,
+    parts: int,
+    warnings: list[str],
+    started: float,
+) -> dict:
+    """What an output records of how it was made: inputs, tokenizer, packing, counts, format, code, times."""
+    return {
+        "source": p.source.model_dump(mode="json"),
+        "hash": p.key,
+        "inputs": p.files,
+        "tokenizer": tok.model_dump(mode="json"),
+        "seq_len": data.seq_len,
+        "packing": "concatenate documents, each followed by EOS (BOS first when set); no padding; "
+        "the final remainder of fewer than seq_len tokens per split is dropped",
+        "counts": {
+            **counts,
+            "documents": counts["train"]["documents"] + counts["val"]["documents"],
+            "tokens": counts["train"]["tokens"] + counts["val"]["tokens"],
+            "skipped_total": sum(tally.skipped.values()),
+            "skipped": dict(sorted(tally.skipped.items())),
+            "filtered": tally.filtered,
+            "truncated": tally.truncated,
+            "capped": any(r.capped for r in results),
+        },
+        "warnings": warnings,
+        "format": {
+            "columns": columns(tok.dtype, data.seq_len),
+            "compression": data.compression,
+            "hashes": list(data.hashes),
+            "units": sum(r.units for r in results),
+            "parts": parts,
+        },
+        "code_version": hashing.CODE_VERSION,
+        "git_sha": hashing.git_sha(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.time() - started, 3),
+    }
 
 
 __all__ = ["Plan", "plan", "prepare_source", "cached_result"]

@@ -25,7 +25,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
 from tasks.gauntlet.evaluate import EvalSummary
-from tasks.mlflow_run import RUN_NAME_TAG, client_for
+from tasks.mlflow_run import RUN_NAME_TAG, client_for, retrying
 from tasks.registry.aliases import (  # noqa: F401 - the alias names are part of this module's interface
     BEST_ALIAS,
     BEST_MARGIN_TAG,
@@ -154,6 +154,13 @@ def best_of_run(client, name: str, run_id: str) -> str | None:
     if not scored:
         return None
     return str(max(scored, key=lambda v: (float(v.tags["gauntlet_average"]), int(v.tags["tokens"]))).version)
+
+
+def run_best(tracking: TrackingConfig, name: str, run_id: str) -> str | None:
+    """`best_of_run` through the tracking server's retries: the run's best version of `name`, or None. What the
+    champion's bootstrap and continued pretraining's challenger both ask."""
+    client = client_for(tracking)
+    return retrying("finding the run's best version", lambda: best_of_run(client, name, run_id))
 
 
 def existing_registrations(tracking: TrackingConfig, run_id: str) -> dict[int, Registration]:

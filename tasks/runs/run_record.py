@@ -26,7 +26,8 @@ from prefect.cache_policies import NO_CACHE
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import close_run, find_run, model_ui_url, record_run, run_ui_url
 from tasks.recipe import Recipe, run_folder
-from tasks.registry.register import Registration
+from tasks.registry.register import Registration, run_best
+from tasks.runs.run_slot import add_tags
 from tasks.tracking_config import TrackingConfig
 from tasks.training.train import what_stays
 
@@ -79,13 +80,7 @@ def mlflow_tags(recipe: Recipe, run_name: str, recipe_path: str, sha: str, extra
 @task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def tag_flow_run(flow_run_id: str | None, tags: list[str]) -> None:
     """Add `tags` to the flow run's own (the runs list filters on them: `run:<name>`, `promotion:...`)."""
-    if not flow_run_id:
-        return
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        current = client.read_flow_run(flow_run_id).tags
-        client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tags)))
+    add_tags(flow_run_id, tags)
 
 
 @task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -154,11 +149,10 @@ def bootstrap_champion(tracking: TrackingConfig, run_name: str, mlflow_run_id: s
     """A model's first champion is its first run's best version; after that only the promotion rule moves it."""
     from tasks.mlflow_run import client_for, retrying
     from tasks.registry.promote import bootstrap
-    from tasks.registry.register import best_of_run
 
     name = tracking.registered_model
     client = client_for(tracking)
-    best = retrying("finding the run's best version", lambda: best_of_run(client, name, mlflow_run_id))
+    best = run_best(tracking, name, mlflow_run_id)
     if best and retrying("bootstrapping the champion", lambda: bootstrap(client, name, best, run_name)):
         get_run_logger().info("%s: v%s is the first champion (bootstrap)", name, best)
 

@@ -238,13 +238,18 @@ def reclaim_orphaned(run_name: str, me: str | None, confirm_s: float = RECLAIM_C
 
 
 def _tag_holder(run_name: str, flow_run_id: str | None) -> None:
+    add_tags(flow_run_id, [holder_tag(run_name), process_tag()])
+
+
+def add_tags(flow_run_id: str | None, tags: list[str]) -> None:
+    """Add `tags` to a flow run's own: Prefect's update replaces the list, so it is read and the union written."""
     if not flow_run_id:
         return
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(flow_run_id).tags
-        client.update_flow_run(flow_run_id, tags=sorted(set(current) | {holder_tag(run_name), process_tag()}))
+        client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tags)))
 
 
 def slot_timeout() -> type[TimeoutError]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -35,59 +34,24 @@ from infra.config import ComputeConfig
 from infra.watchdog import budgets_env
 from tasks.retry import retry_unless
 from tasks.training import launch_records
+from tasks.training.stage_ends import (
+    DataDamaged,
+    DiskFull,
+    NoProgress,
+    PreemptionBudgetSpent,
+    RestartsSpent,
+    TrainingFailed,
+    TrainingFatal,
+    exit_kind,
+)
 from tasks.training.train_job import checkpoint_store
 from tasks.training.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, TrainJob
-from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED, FATAL, HOLDER_ENV, INTERRUPTED, OneLineError
+from trainers.contract import HOLDER_ENV
 from trainers.progress import parse_damage
 
-USAGE_ERROR = 2  # argparse
 POLL_SECONDS = 1.0
 PREEMPTION_DELAY_S = 2.0  # let the dead job's ports and shared memory go before the relaunch takes them
-
-
-class TrainingFailed(OneLineError, RuntimeError):
-    """A training job exited non-zero; relaunching it resumes from its last checkpoint."""
-
-    exit_code = EXIT_FAILED
-
-
-class TrainingFatal(TrainingFailed):
-    """A training job failed in a way a relaunch would repeat (bad job, divergence, edited stage)."""
-
-    exit_code = EXIT_BAD_INPUT
-
-
-class DiskFull(TrainingFatal):
-    """The disk holding the save folder cannot take another checkpoint: a relaunch would fail the same way."""
-
-
-class DataDamaged(TrainingFatal):
-    """The trainer found prepared data whose bytes are not what its index records; its done-marker is withdrawn."""
-
-
-class NoProgress(TrainingFatal):
-    """Relaunches that keep ending without a new checkpoint: the stage stops instead of burning its budget."""
-
-
-class RestartsSpent(TrainingFailed):
-    """A Kubernetes group failed after the cluster restarted it compute.kubernetes.max_restarts times: that budget
-    counted these failures, and a retry of the task would start it over with a fresh one."""
-
-
-class PreemptionBudgetSpent(TrainingFailed):
-    """Stopped from outside more than compute.max_preemptions times; a rerun resumes, a retry would not help now."""
-
-
-def exit_kind(code: int) -> Literal["ok", "preempted", "failed", "fatal"]:
-    """Which budget a job's exit code draws on (see the module docstring)."""
-    if code == 0:
-        return "ok"
-    if code == FATAL or code == USAGE_ERROR:
-        return "fatal"
-    if code < 0 or code >= 128 or code == INTERRUPTED:  # Popen reports -N, shells 128+N, for signal N
-        return "preempted"
-    return "failed"
 
 
 __all__ = ["MlflowTarget", "TrainJob", "allow_launches", "stop_launched_jobs"]  # for flows, which never import infra
@@ -147,39 +111,14 @@ def train_stage(
         )
         return 0
     preemptions = 0
+    relay_name = run_name or Path(job_path).parent.name
     while True:
-        before, started = _newest_tokens(spec, compute), time.time()
-        job = backend.launch(
-            "trainers.train",
-            ["--job", job_path, "--stage", str(stage_index)],
-            log_dir=Path(log_dir) / stage_name,
-            env=env or None,
+        job, code, record = _launch_once(
+            backend, spec, job_path, stage_index, stage_name, compute, log_dir, env, relay_name
         )
-        logger.info(
-            "stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path
-        )
-        avoid = getattr(job, "avoid_node", None) if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
-        relay = ProgressRelay(logger, run_name or Path(job_path).parent.name, stage_name, avoid_node=avoid)
-        code = _run_once(job, relay)
         preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
-        kind, hang = exit_kind(code), getattr(job, "hung", None)
-        _record_launch(
-            logger,
-            run_dir,
-            {
-                "stage": stage_name,
-                "started": started,
-                "ended": time.time(),
-                "code": code,
-                "kind": kind,
-                "hung": hang.to_json() if hang is not None else None,
-                "tokens_before": before,
-                "tokens_after": _newest_tokens(spec, compute),
-                "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
-                "pending_s": round(getattr(job, "pending_s", 0.0), 3),  # in the cluster's queue (Kubernetes)
-                "flow_run": str(flow_run.id) if flow_run.id else None,  # gaps inside one flow run are the run's
-            },
-        )
+        kind, hang = record["kind"], getattr(job, "hung", None)
+        _record_launch(logger, run_dir, record)
         if kind == "ok":
             return code
         if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
@@ -206,17 +145,58 @@ def train_stage(
             time.sleep(PREEMPTION_DELAY_S)
             continue
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
-        error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
-        budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
-        if kind == "failed" and getattr(job, "restarts_spent", False):
-            error = RestartsSpent
-            budget = (
-                f" after {job.restarts} restarts of the group in the cluster, compute.kubernetes.max_restarts "
-                f"spent: not retried again"
-            )
-        raise error(
-            f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
+        raise _failure(job, kind, code, stage_name, preemptions, last)
+
+
+def _launch_once(
+    backend, spec: TrainJob, job_path: str, stage_index: int, stage_name: str, compute, log_dir, env, relay_name
+):
+    """One launch of the stage's job, its progress relayed until it ends: (the job, its exit code, its launch
+    record for tasks/training/launch_records.py)."""
+    logger = get_run_logger()
+    before, started = _newest_tokens(spec, compute), time.time()
+    job = backend.launch(
+        "trainers.train",
+        ["--job", job_path, "--stage", str(stage_index)],
+        log_dir=Path(log_dir) / stage_name,
+        env=env or None,
+    )
+    logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
+    avoid = getattr(job, "avoid_node", None) if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
+    code = _run_once(job, ProgressRelay(logger, relay_name, stage_name, avoid_node=avoid))
+    kind, hang = exit_kind(code), getattr(job, "hung", None)
+    return (
+        job,
+        code,
+        {
+            "stage": stage_name,
+            "started": started,
+            "ended": time.time(),
+            "code": code,
+            "kind": kind,
+            "hung": hang.to_json() if hang is not None else None,
+            "tokens_before": before,
+            "tokens_after": _newest_tokens(spec, compute),
+            "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
+            "pending_s": round(getattr(job, "pending_s", 0.0), 3),  # in the cluster's queue (Kubernetes)
+            "flow_run": str(flow_run.id) if flow_run.id else None,  # gaps inside one flow run are the run's
+        },
+    )
+
+
+def _failure(job, kind: str, code: int, stage_name: str, preemptions: int, last: str) -> Exception:
+    """The error a stage ends with when it is not relaunched: what kind of end, and what budget it spent."""
+    error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
+    budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
+    if kind == "failed" and getattr(job, "restarts_spent", False):
+        error = RestartsSpent
+        budget = (
+            f" after {job.restarts} restarts of the group in the cluster, compute.kubernetes.max_restarts "
+            f"spent: not retried again"
         )
+    return error(
+        f"stage {stage_name}: trainer exited with code {code} ({kind}{budget}), see {job.log_path}: {last[:300]}"
+    )
 
 
 def _record_launch(logger, run_dir: Path, record: dict) -> None:
