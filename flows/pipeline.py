@@ -184,7 +184,6 @@ def run_pipeline(
                     compute=recipe.compute,
                     seq_len=recipe.data.seq_len,
                     recipe_hash=recipe.content_hash(),
-                    remote_folder=job.remote_folder,
                 ),
                 checkpoint_store(job, recipe.compute, pins=run_dir / "pins"),
                 version_tags or {},

@@ -19,6 +19,7 @@ from tasks.tracking_config import TrackingConfig
 from tests.conftest import ROOT
 from tests.support.mlflow_store import sqlite_store
 from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.store import S3Checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,8 @@ def test_a_large_model_is_registered_by_reference_and_loads_from_s3(
     )
     run_id = open_run.fn(tracking, "run-b", tags={})
     ckpt = CheckpointInfo(path=composer_checkpoint, tokens=64, batch=1, stage="s", stage_index=0)
-    reg = register_checkpoint.fn(ckpt, summary(64, 0.3), tracking, run_id, "abc", "s3://ckpts/runs/run-b")
+    home = S3Checkpoints("s3://ckpts/runs/run-b").model_home(64)  # what the gauntlet queue's store says
+    reg = register_checkpoint.fn(ckpt, summary(64, 0.3), tracking, run_id, "abc", home)
     client = client_for(tracking)
     version = client.get_model_version("big", str(reg.version))
     assert version.source == "s3://ckpts/runs/run-b/models/tok-000000000064"
@@ -305,7 +307,7 @@ def test_an_evaluation_pod_packages_the_model_and_registration_never_loads_it(
         **{k: summary[k] for k in ("average", "headline", "gauntlet_hash", "metrics", "model_uri")},
     )
     info = CheckpointInfo(path=checkpoint_uri, tokens=64, batch=1, stage="s", stage_index=0)
-    reg = register_checkpoint.fn(info, result, tracking, run_id, "abc", "s3://ckpts/runs/run-c")
+    reg = register_checkpoint.fn(info, result, tracking, run_id, "abc", target)
     version = client.get_model_version("pod", str(reg.version))
     assert version.source == target and version_record(client, "pod", "1")["storage"] == "reference"
     mlflow.set_tracking_uri(tracking.tracking_uri)

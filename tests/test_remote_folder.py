@@ -279,9 +279,8 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
         compute=ComputeConfig.model_validate({"backend": "kubernetes", "kubernetes": {"image": "tessera:test"}}),
         seq_len=32,
         recipe_hash="h",
-        remote_folder="s3://ckpts/runs/tiny",
     )
-    queue = GauntletQueue(target, S3Checkpoints(target.remote_folder))
+    queue = GauntletQueue(target, S3Checkpoints("s3://ckpts/runs/tiny"))
     assert said == ["dropped 1 pin(s) an earlier flow left behind: tiny-s0-tok128-rank0.pt"]
     queue.sweep()
     waiting = {Path(c.path).name for c in ckpts[-MAX_WAITING:]}

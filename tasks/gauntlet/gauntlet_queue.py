@@ -71,7 +71,6 @@ class QueueTarget(BaseModel):
     compute: ComputeConfig
     seq_len: int
     recipe_hash: str
-    remote_folder: str | None = None
 
 
 class GauntletQueue:
@@ -91,7 +90,7 @@ class GauntletQueue:
         # A version is a promotion candidate only if scored on the whole gauntlet: a missing task
         # file fails its evaluation (and so skips its registration) instead of scoring a part of it.
         self.eval_cfg = target.eval.model_copy(update={"strict": True})
-        self.remote_folder, self.version_tags = target.remote_folder, version_tags or {}
+        self.version_tags = version_tags or {}
         self.store = store  # one store for the queue's life: the s3 face remembers the manifests it has read
         # Pins a crashed flow left (one flow runs per run name, tasks/runs/run_slot.py): what is still in the save
         # folder is pinned again as it is found.
@@ -174,7 +173,7 @@ class GauntletQueue:
             self.target.tracking,
             self.run_id,
             self.target.recipe_hash,
-            self.remote_folder,
+            self.store.model_home(ckpt.tokens),
             {**self.version_tags, "checkpoint": where},
             wait_for=[allow_failure(previous[1])] if previous else None,
         )

@@ -40,7 +40,7 @@ from tasks.registry.version_record import TAGS, checkpoint_of, has_version_recor
 from tasks.retry import retry_unless
 from tasks.tracking_config import TrackingConfig
 from trainers.format.checkpoints import CheckpointInfo
-from trainers.format.mlflow_model import model_uri_for, publish, save_mlflow_model, weights_mb
+from trainers.format.mlflow_model import publish, save_mlflow_model, weights_mb
 
 
 class Registration(BaseModel):
@@ -208,7 +208,7 @@ def register_checkpoint(
     tracking: TrackingConfig,
     run_id: str,
     recipe_hash: str,
-    remote_folder: str | None = None,
+    model_home: str | None = None,
     extra_tags: dict[str, str] | None = None,
 ) -> Registration:
     """Log the checkpoint as an MLflow Model (transformers flavor) and register it as a version."""
@@ -235,8 +235,8 @@ def register_checkpoint(
                     "training data."
                 )
                 model_dir = save_mlflow_model(hf_dir, Path(tmp) / "mlflow-model", card)
-                if remote_folder and weights_mb(hf_dir) > tracking.register_by_reference_above_mb:
-                    source, storage = publish(model_dir, model_uri_for(remote_folder, checkpoint.tokens)), "reference"
+                if model_home and weights_mb(hf_dir) > tracking.register_by_reference_above_mb:
+                    source, storage = publish(model_dir, model_home), "reference"
                 else:
                     client.log_artifacts(run_id, str(model_dir), artifact_path=artifact_path(checkpoint.tokens))
                     source, storage = f"{run.info.artifact_uri}/{artifact_path(checkpoint.tokens)}", "copy"

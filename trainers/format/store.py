@@ -28,6 +28,7 @@ from pathlib import Path
 
 from trainers.format import checkpoints
 from trainers.format.checkpoints import CheckpointInfo
+from trainers.format.mlflow_model import model_uri_for
 from trainers.format.s3 import StoreError, is_missing, s3_client, split_uri
 
 log = logging.getLogger("tessera.store")
@@ -90,6 +91,11 @@ class CheckpointStore(ABC):
         """Where the checkpoint itself lives for a reader elsewhere: a path, or the object's URI."""
         return f"{self.location}/{Path(info.path).name}"
 
+    def model_home(self, tokens: int) -> str | None:
+        """Where the MLflow Model of the checkpoint at `tokens` may be kept beside it, registered by reference;
+        None where the run keeps nothing in object storage (the model is then copied into MLflow's store)."""
+        return None
+
 
 def open_store(
     folder: str | Path, mirror: str | None = None, pins: Path | None = None, folder_elsewhere: bool = False
@@ -121,6 +127,9 @@ class LocalCheckpoints(CheckpointStore):
 
     def where(self, info: CheckpointInfo) -> str:
         return f"{self.mirror.rstrip('/')}/{Path(info.path).name}" if self.mirror else info.path
+
+    def model_home(self, tokens: int) -> str | None:
+        return model_uri_for(self.mirror, tokens) if self.mirror else None
 
     def pin(self, info: CheckpointInfo) -> CheckpointInfo | None:
         held = self._link(Path(info.path))
@@ -224,6 +233,9 @@ class S3Checkpoints(CheckpointStore):
         # Manifests already read, by object name: (ETag, what it says). A manifest is written once, whole, and only
         # deleted on retire, so a poll of the folder GETs only the ones it has not seen.
         self._manifests: dict[str, tuple[str, CheckpointInfo]] = {}
+
+    def model_home(self, tokens: int) -> str | None:
+        return model_uri_for(self.uri, tokens)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
