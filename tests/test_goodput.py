@@ -146,3 +146,24 @@ def test_with_the_ranks_in_pods_the_time_records_come_from_the_s3_save_folder(tm
     RemoteFolder(in_pods.remote_folder).push_file(run_dir / "ckpt" / "r-time.jsonl")
     assert for_job(run_dir, in_pods).buckets == compute(run_dir, job.save_folder, "r").buckets
     assert for_job(run_dir, in_pods).buckets["productive"] == 125
+
+
+def test_an_unreachable_s3_save_folder_leaves_the_launches_unaccounted_and_says_so(tmp_path, monkeypatch, caplog):
+    """Goodput is a report: a mirror that does not answer costs it the trainer's time records (each launch counted
+    whole as unaccounted), in one warning line, never the flow or `tessera status`."""
+    import logging
+
+    from tasks.training.goodput import compute, for_job
+
+    _, run_dir, job = _run(tmp_path)
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    in_pods = job.model_copy(update={"train": job.train.model_copy(update={"save_folder": "s3://ckpts/runs"})})
+    in_pods = in_pods.model_copy(update={"save_folder": str(tmp_path / "flow-side-copy")})
+    with caplog.at_level(logging.WARNING, logger="tessera.goodput"):
+        goodput = for_job(run_dir, in_pods)
+    assert goodput.buckets == compute(run_dir, tmp_path / "flow-side-copy", "r").buckets
+    assert goodput.launches == 2 and goodput.buckets["productive"] == 0
+    assert "goodput of r: cannot read its time records" in caplog.text

@@ -28,6 +28,7 @@ goodput = productive / wall.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +218,12 @@ def for_job(run_dir: str | Path, job) -> Goodput:
             (Path(tmp) / name).write_text(checkpoint_store(job).read_text(name))
         except FileNotFoundError:  # none written yet: every launch's time is unaccounted
             pass
+        except Exception as exc:  # noqa: BLE001 - an unreachable mirror costs the report its detail, never the run
+            logging.getLogger("tessera.goodput").warning(
+                "goodput of %s: cannot read its time records (%s); each launch's time is left unaccounted",
+                job.run_name,
+                " ".join(str(exc).split())[:300],
+            )
         return compute(run_dir, tmp, job.run_name)
 
 
