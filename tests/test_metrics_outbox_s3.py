@@ -267,3 +267,26 @@ def test_every_step_reaches_mlflow_once_across_an_outage_and_group_restarts_on_f
         assert all(a.timestamp <= b.timestamp for a, b in zip(by_step, by_step[1:]))  # first-trained times, in order
         assert client.get_run(run_id).data.tags["stage/warm/end_tokens"] == str(steps * STEP)
         assert _copy_object(moto_s3)["journal"] == ""
+
+
+def test_a_journal_with_every_row_acked_leaves_an_empty_s3_copy(tmp_path, moto_s3):
+    """Rows delivered since the copy was written (acked on this disk): the delivery drops the journal and writes the
+    copy empty, or a fresh disk would restore those rows and send them again."""
+    from trainers.format.atomic import append_record, atomic_write_json
+    from trainers.format.store import S3Checkpoints
+    from trainers.metrics_journal import RemoteCopy, Row, deliver, journal_path, lines, marker_path
+
+    moto_s3.create_bucket(Bucket=BUCKET)
+    copy = RemoteCopy(S3Checkpoints(f"s3://{BUCKET}/runs/tiny"), "tiny")
+    row = Row("r", STEP, [("loss/train/total", 2.0, 1000, STEP)], [], seq=1)
+    marker = {"mlflow_run_id": "r", "tokens": STEP}
+    copy.write(marker, lines([row]))  # written at the checkpoint, before the row went out
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    journal = journal_path(disk, "tiny")
+    journal.write_text(lines([row]))
+    append_record(journal, {"ack": 1})  # delivered since, from this disk
+    atomic_write_json(marker_path(disk, "tiny"), marker)
+    assert deliver(MlflowTarget(tracking_uri=DEAD, run_id="r"), disk, "tiny", 0, copy) == 0
+    assert not journal.exists()
+    assert _copy_object(moto_s3) == {"marker": marker, "journal": ""}

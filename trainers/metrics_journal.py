@@ -247,9 +247,13 @@ def deliver(
     if copy is not None:
         copy.restore(folder, run_name)
     journal = journal_path(folder, run_name)
+    if not journal.exists():
+        return 0
     rows, _ = read_pending(journal)
-    if not rows:
+    if not rows:  # every row acked: the journal goes, and the copy says so too (or a fresh disk would resend them)
         journal.unlink(missing_ok=True)
+        if copy is not None:
+            copy.write(marker_or_none(marker_path(folder, run_name)), "")
         return 0
     log.info("metrics: %d row(s) journaled by an earlier launch go to MLflow first (%s)", len(rows), journal)
     wait_s = close_wait_s() if wait_s is None else wait_s
