@@ -207,7 +207,7 @@ def _objects(moto_s3) -> set[str]:
 def test_keep_last_leaves_pinned_checkpoints_and_unpinning_lets_rotation_remove_them(mirror, moto_s3, tmp_path):
     ckpts = _checkpoints(tmp_path, [256, 512, 768, 1024, 1280])
     for info in ckpts:
-        mirror.upload_now(info)
+        mirror.publish(info)
     for info in ckpts[:3]:
         assert mirror.pin(info)
     mirror.keep_last(1)
@@ -231,7 +231,7 @@ def test_a_pin_and_a_retire_that_cross_never_lose_a_pinned_checkpoint(mirror, mo
     pin fails (its checkpoint is gone, and no pin is left behind) or the files stay and the manifest comes back."""
     early, late = _checkpoints(tmp_path, [256, 512])
     for info in (early, late):
-        mirror.upload_now(info)
+        mirror.publish(info)
     gone = mirror.complete()[0]
     assert mirror.retire(gone)
     assert not mirror.pin(gone) and mirror.pinned() == set()
@@ -257,7 +257,7 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
 
     ckpts = _checkpoints(tmp_path, [256, 512, 768, 1024, 1280])
     for info in ckpts:
-        mirror.upload_now(info)
+        mirror.publish(info)
     moto_s3.put_object(Bucket="ckpts", Key="runs/tiny/pins/tiny-s0-tok128-rank0.pt", Body=b"128\n")
     # What this test is not about: Prefect's run context, MLflow's registrations, the evaluation pods.
     said: list[str] = []
@@ -303,7 +303,7 @@ def test_a_poll_of_the_mirror_gets_only_the_manifests_it_has_not_read(mirror, mo
     trainer = RemoteFolder("s3://ckpts/runs/tiny")
     ckpts = _checkpoints(tmp_path, [256, 512, 768])
     for info in ckpts[:2]:
-        trainer.upload_now(info)
+        trainer.publish(info)
     calls: list[str] = []
     for op in ("GetObject", "ListObjectsV2"):
         mirror.client.meta.events.register(f"before-send.s3.{op}", lambda op=op, **_: calls.append(op))
@@ -314,7 +314,7 @@ def test_a_poll_of_the_mirror_gets_only_the_manifests_it_has_not_read(mirror, mo
     assert [c.tokens for c in mirror.complete()] == [256, 512]
     assert calls == ["ListObjectsV2"]  # nothing new: no manifest read again
     calls.clear()
-    trainer.upload_now(ckpts[2])
+    trainer.publish(ckpts[2])
     assert [c.tokens for c in mirror.complete()] == [256, 512, 768]
     assert calls.count("GetObject") == 1
     calls.clear()

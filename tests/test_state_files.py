@@ -208,7 +208,7 @@ def test_with_an_s3_mirror_a_stage_is_finished_only_once_its_end_checkpoint_is_i
     moto_s3.delete_object(Bucket="ckpt", Key=manifest)
     assert finished(job, 0) is None  # complete on this disk, not in the mirror a pod or a fresh node reads
     end_info = next(c for c in RunFolder.of(job).complete() if c.tokens == 2560)
-    RemoteFolder.for_job(job).upload_now(end_info)
+    RemoteFolder.for_job(job).publish(end_info)
     RunFolder.of(job).stages_record.unlink()  # a fresh flow's working copy: the record comes from the mirror
     end = finished(job, 0)
     assert end is not None and end.tokens == 2560

@@ -138,10 +138,6 @@ class RemoteFolder(S3Checkpoints):
 
     # ------------------------------------------------------------ checkpoints
 
-    def upload_now(self, info: CheckpointInfo) -> None:
-        """Blocking upload of a local complete checkpoint (the store's publish: files, then the manifest)."""
-        self.publish(info)
-
     def download(self, info: CheckpointInfo, folder: Path) -> CheckpointInfo:
         """Fetch a remote checkpoint into the local folder and publish it there."""
         name = Path(info.path).name
@@ -334,7 +330,7 @@ def reconcile(
     for info in local:
         if info.tokens not in remote_done:
             log.info("uploading %s, published before a kill interrupted its upload", Path(info.path).name)
-            remote.upload_now(info)
+            remote.publish(info)  # blocking: files, then the manifest
     remote.keep_last(keep)
     have = {c.tokens for c in local}
     own_local = max((c.tokens for c in local if c.stage_index == stage.index), default=-1)

@@ -63,4 +63,5 @@ def publish(local: str, uri: str) -> None:
     try:
         s3.publish_folder(local, uri.rstrip("/"))
     except s3.StoreError as exc:
-        raise DataError(uri, f"cannot upload prepared data ({exc.why.removeprefix('cannot upload (')}") from exc
+        cause = exc.__cause__
+        raise DataError(uri, f"cannot upload prepared data ({type(cause).__name__}: {cause})") from exc

@@ -22,11 +22,7 @@ class StoreError(Exception):
 
     def __init__(self, where: str, why: str, lasting: bool = False):
         super().__init__(f"{where}: {why}")
-        self.where, self.why, self.lasting = where, why, lasting
-
-
-def is_uri(folder: str | Path | None) -> bool:
-    return str(folder or "").startswith("s3://")
+        self.lasting = lasting
 
 
 def split_uri(uri: str) -> tuple[str, str]:
