@@ -45,8 +45,8 @@ class LocalJob:
         self._log = JobLog(self.log_path, self.log_offset)
 
     def watch(self, watchdog: Watchdog) -> threading.Thread:
-        """Judge the ranks' heartbeats until the job ends; a hung group's stacks go to the log, then it is killed
-        (SIGCONT first: a stopped process does not die of SIGKILL until it runs), which reads as a preemption."""
+        """Judge the ranks' heartbeats until the job ends; a hung group's stacks go to the log (asked for before a
+        stopped rank is woken: `Watchdog.stacks`), then it is killed, which reads as a preemption."""
 
         def run() -> None:
             while self.process.poll() is None and not self.stopped:
@@ -62,8 +62,7 @@ class LocalJob:
 
     def _kill_hung(self, watchdog: Watchdog, hang: Hang) -> None:
         group = self.process.pid
-        signal_group(group, signal.SIGCONT)
-        stacks = watchdog.stacks()
+        stacks = watchdog.stacks()  # before any rank is woken: see its docstring
         self.hung = hang
         with open(self.log_path, "a") as log:
             log.write(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")

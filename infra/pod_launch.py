@@ -61,8 +61,7 @@ class PodWatchdog:
             if hang is None:
                 continue
             self.hang = hang
-            signal_group(self.group, signal.SIGCONT)  # a stopped rank must run to write its stacks, and to die
-            stacks = self.watchdog.stacks()
+            stacks = self.watchdog.stacks()  # before any rank is woken: see its docstring
             self.say(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")
             self.say(stacks + "\n")
             self.say(

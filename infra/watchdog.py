@@ -4,10 +4,10 @@ It runs outside the rank processes (locally in the launching task, infra/local.p
 pod's entrypoint, infra/pod_launch.py) and reads the heartbeat each rank of this node rewrites in
 TESSERA_HEARTBEAT_DIR (trainers/heartbeat.py; the names are trainers/contract.py's). A rank is hung
 when `now - beat` exceeds its phase's budget (`Budgets.of`): the learned step budget, a size-bound
-save or load, a first step, an eval batch. Then `stacks()` wakes every rank (SIGCONT: a stopped
-process must really die), has each write its Python stacks (py-spy where installed, else
-faulthandler on SIGUSR1), and the caller kills the whole group, which the flow relaunches from the
-last checkpoint as a preemption. The standard library, and pydantic for the budgets' model.
+save or load, a first step, an eval batch. Then `stacks()` has each rank write its Python stacks where
+the hang left it (py-spy where installed, else faulthandler on SIGUSR1) and only then wakes a stopped
+one (SIGCONT: it must really die), and the caller kills the whole group, which the flow relaunches
+from the last checkpoint as a preemption. The standard library, and pydantic for the budgets' model.
 """
 
 from __future__ import annotations
@@ -220,24 +220,40 @@ class Watchdog:
         return [int(b["pid"]) for b in self.beats().values() if b.get("pid")]
 
     def stacks(self) -> str:
-        """Every rank's Python stacks, as text for the stage log. Wakes stopped ranks first (SIGCONT)."""
+        """Every rank's Python stacks where the hang left them, as text for the stage log; stopped ranks are woken
+        (SIGCONT) only after their stacks are asked for.
+
+        The order is the point: a stopped rank that is woken first runs on, its waiting peers with it, and under
+        load the whole group can be steps further (or in its closing barrier) by the time it is asked, so the
+        stacks would show where the ranks went, not where they hung (CI at dc718cc: rank 0's stack was past the
+        collective it had been waiting in). A SIGUSR1 pending on a stopped process is handled before it runs
+        another line once woken, and py-spy's --nonblocking reads a stopped process's memory without waking it.
+        """
         pids = self.pids()
-        for pid in pids:
-            _signal(pid, signal.SIGCONT)
-        spy = shutil.which("py-spy")
         parts: list[str] = []
+        spy = shutil.which("py-spy")
         if spy:
             for pid in pids:
                 try:
-                    out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-                    parts.append(f"--- py-spy dump of pid {pid}\n{out.stdout or out.stderr}")
+                    out = subprocess.run(
+                        [spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+                    )
+                    if out.returncode:
+                        parts.append(f"--- py-spy dump of pid {pid} failed: {(out.stderr or out.stdout).strip()}")
+                    else:
+                        parts.append(f"--- py-spy dump of pid {pid}\n{out.stdout}")
                 except (OSError, subprocess.TimeoutExpired) as exc:
                     parts.append(f"--- py-spy dump of pid {pid} failed: {exc}")
-            if all("failed" not in p for p in parts):
+            if all("failed" not in p.splitlines()[0] for p in parts):
+                for pid in pids:
+                    _signal(pid, signal.SIGCONT)
                 return "\n".join(parts)
+            parts = []
         before = {rank: self._stack_size(rank) for rank in self.ranks}
         for pid in pids:
             _signal(pid, signal.SIGUSR1)
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
         deadline = time.monotonic() + STACKS_WAIT_S
         while time.monotonic() < deadline and any(self._stack_size(r) <= before[r] for r in self.ranks):
             time.sleep(0.1)

@@ -112,6 +112,82 @@ def test_a_stopped_rank_is_blamed_as_soon_as_its_waiting_peer_passes_the_budget(
         frozen.wait()
 
 
+_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from trainers.heartbeat import Beat
+
+folder, rank = Path(sys.argv[1]), int(sys.argv[2])
+Beat(folder, rank)
+def moved_on():
+    while True:
+        time.sleep(0.001)
+def frozen_here():  # rank 1: stops itself; woken, it lets rank 0 go on at once
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os.close(os.open(folder / "go", os.O_CREAT | os.O_WRONLY))
+def waiting_for_peer():  # rank 0: a collective's wait, for rank 1
+    (folder / "waiting").touch()
+    while not (folder / "go").exists():
+        time.sleep(0.0005)
+frozen_here() if rank else waiting_for_peer()
+moved_on()
+"""
+
+
+def test_the_stacks_show_where_the_ranks_hung_not_where_waking_the_stopped_one_lets_them_go(tmp_path, monkeypatch):
+    """Rank 1 is stopped and rank 0 waits for it; the moment rank 1 runs again both move on. The local backend's
+    kill of a hung group must ask for the stacks before it wakes the stopped rank, or they show moved_on (CI at
+    dc718cc: rank 0's stack was past the collective it had hung in), and must leave no process of the group."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    from infra import watchdog
+    from infra.local import LocalJob
+
+    monkeypatch.setattr(watchdog.shutil, "which", lambda name: None)  # the faulthandler path, py-spy or not
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    rank = shlex.join([sys.executable, "-c", _RANK, str(tmp_path)])
+    # A launcher in its own session with the two ranks under it, as Composer's launcher is in a local job.
+    launcher = subprocess.Popen(["sh", "-c", f"{rank} 0 & {rank} 1 & wait"], env=env, start_new_session=True)
+    try:
+        dog = Watchdog(tmp_path, Budgets(), [0, 1])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            (tmp_path / "waiting").exists() and len(dog.pids()) == 2 and process_state(dog.pids()[1]) == "T"
+        ):
+            time.sleep(0.01)
+        pids = dog.pids()
+        assert len(pids) == 2 and process_state(pids[1]) == "T" and (tmp_path / "waiting").exists()
+        hang = dog.check(time.time() + 3600)
+        assert hang is not None and hang.rank == 1 and hang.stopped
+        sent: list[tuple[str, int]] = []  # the signals in the order sent: a real woken rank may outrun this test
+        kill, killpg = os.kill, os.killpg
+        monkeypatch.setattr(os, "kill", lambda pid, sig: (sent.append(("rank", sig)), kill(pid, sig))[1])
+        monkeypatch.setattr(os, "killpg", lambda pid, sig: (sent.append(("group", sig)), killpg(pid, sig))[1])
+        job = LocalJob(process=launcher, log_path=tmp_path / "rank0.log")
+        job._kill_hung(dog, hang)
+        monkeypatch.undo()
+        woken = sent.index(next(s for s in sent if s[1] == signal.SIGCONT))
+        assert sent[:woken] == [("rank", signal.SIGUSR1)] * 2 and sent[-1] == ("group", signal.SIGKILL), sent
+        text = job.log_path.read_text()
+        zero, one = text.split("--- rank 1: Python stacks (faulthandler)")
+        assert "--- rank 0: Python stacks (faulthandler)" in zero
+        assert "in waiting_for_peer" in zero and "in moved_on" not in zero, zero
+        assert "in frozen_here" in one and "in moved_on" not in one, one
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10  # SIGKILL is delivered at once, the exit is the kernel's to finish
+        while time.monotonic() < deadline and any(process_state(pid) not in (None, "Z") for pid in pids):
+            time.sleep(0.05)
+        # the stopped rank too, woken then killed (a zombie is dead, awaiting this container's reaper)
+        assert [process_state(pid) in (None, "Z") for pid in pids] == [True, True]
+    finally:
+        watchdog.signal_group(launcher.pid, signal.SIGCONT)
+        watchdog.signal_group(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
 def test_a_heartbeat_is_one_fixed_size_file_rewritten_in_place(tmp_path, monkeypatch):
     from trainers import heartbeat
 
