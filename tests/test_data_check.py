@@ -104,6 +104,41 @@ def test_withdraw_and_intact_on_a_prepared_output(tmp_path):
     assert outputs.withdraw(str(out)) is False
 
 
+def test_an_outputs_home_on_a_local_and_an_s3_root_publishes_withdraws_and_resumes_alike(tmp_path, moto_s3):
+    """The two faces of tasks/data/home.py on a real (moto) S3 server: the bucket's copy is the truth under an s3
+    root, an upload cut short is finished from the working copy unless that is damaged too, and a damaged output's
+    done-marker is withdrawn where training reads it (the stage task's path, `home_at(folder).withdraw()`)."""
+    from tasks.data import outputs
+    from tasks.data.home import LocalHome, S3Home, home_at
+
+    local = tmp_path / "books-0123"
+    _prepared(local / "train")
+    outputs.write_json(str(local / outputs.PROVENANCE), {"counts": {"train": {"samples": 600}}})
+    (local / outputs.DONE).write_text("{}")
+    moto_s3.create_bucket(Bucket="data")
+    uri = "s3://data/prepared/books-0123/"
+
+    here = home_at(str(local))
+    assert isinstance(here, LocalHome) and here.where == str(local) and here.is_done()
+    assert here.publish(str(local)) is False and here.resume_publish(str(local)) is None  # nothing ever to move
+    home = home_at(uri)
+    assert isinstance(home, S3Home) and home.where == uri.rstrip("/") and not home.is_done()
+
+    # finished in the working copy, never uploaded: published now, done-marker last
+    assert home.resume_publish(str(local)) == {"counts": {"train": {"samples": 600}}}
+    assert home.is_done() and home.provenance() == {"counts": {"train": {"samples": 600}}}
+    keys = {o["Key"] for o in moto_s3.list_objects_v2(Bucket="data")["Contents"]}
+    assert {"prepared/books-0123/_DONE", "prepared/books-0123/train/index.json"} <= keys
+
+    # damaged: withdrawn where training reads it, once
+    assert home_at(uri).withdraw() is True and not home.is_done() and home.withdraw() is False
+    # its working copy damaged too: never published again, withdrawn here to be prepared afresh
+    shard = local / "train" / _shards(local / "train")[0]["raw_data"]["basename"]
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    assert home.resume_publish(str(local)) is None and not home.is_done() and not here.is_done()
+    assert here.withdraw() is False  # already withdrawn by the resume
+
+
 def test_damage_in_the_bucket_is_named_when_streaming_validates_the_download(tmp_path, moto_s3, monkeypatch):
     """Remote shards are validated as they are downloaded; the mismatch, raised in Streaming's thread, is kept
     for the entrypoint (which the training loop would only see as "Background thread failed")."""

@@ -19,6 +19,7 @@ errors     DataError: one line naming the file and line or field
 claim      one writer per output directory, across processes and hosts sharing the data root
 interrupt  what a signal does to the prepare stage: stop, publish nothing partial, exit in bounded time
 remote_root  an s3:// data root: prepared in a local working copy, then published to the bucket
+home       where an output lasts, what training reads: the local folder or its s3:// copy (one choice)
 """
 
 from tasks.data.config import DataConfig

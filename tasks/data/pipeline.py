@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.data import claim, hashing, interrupt, outputs, parallel, remote_root, storage, worker
+from tasks.data import claim, hashing, interrupt, outputs, parallel, storage, worker
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
+from tasks.data.home import LocalHome, S3Home, home_at
 from tasks.data.mds import SplitWriter, columns
 from tasks.data.results import PreparedSource
 from tasks.data.tally import Tally
@@ -44,7 +45,7 @@ class Plan:
     key: str
     out: str  # where it is written on this machine
     missing: dict  # pattern -> why, for patterns skipped under on_error: skip
-    remote: str | None = None  # its s3:// URI, for an s3:// data root (what training reads)
+    home: LocalHome | S3Home  # where it lasts, what training reads: `out` itself, or its s3:// copy
 
 
 def resolve_files(src: SourceConfig) -> tuple[list[storage.FileRef], dict[str, str]]:
@@ -77,7 +78,7 @@ def all_prepared(data: DataConfig) -> bool:
             return False
         key = os.path.basename(tok_dir).removeprefix("tokenizer-")
         plans = [_plan(src, data, key) for src in data.sources]
-        return all(remote_root.is_done(p.remote) if p.remote else outputs.is_done(p.out) for p in plans)
+        return all(p.home.is_done() for p in plans)
     except (DataError, OSError):
         return False  # the flow will say what is wrong
 
@@ -90,34 +91,24 @@ def _plan(src: SourceConfig, data: DataConfig, tokenizer_key: str) -> Plan:
         files = [[r.path, r.size, r.version] for r in refs] + [[p, "missing", why] for p, why in missing.items()]
     key = hashing.source_key(src, files, tokenizer_key, data)
     name = f"{src.name}-{key}"
-    remote = f"{data.root.rstrip('/')}/{name}" if remote_root.is_remote(data.root) else None
-    return Plan(src, tuple(refs), files, key, os.path.join(data.local_root, name), missing, remote)
+    home = home_at(f"{data.root.rstrip('/')}/{name}")
+    return Plan(src, tuple(refs), files, key, os.path.join(data.local_root, name), missing, home)
 
 
 def is_published(p: Plan) -> bool:
     """Whether the output is finished where training reads it: the bucket for an s3:// root."""
-    return remote_root.is_done(p.remote) if p.remote is not None else outputs.is_done(p.out)
+    return p.home.is_done()
 
 
 def cached_result(p: Plan) -> PreparedSource | None:
-    if p.remote is not None:  # the bucket is the truth: a local copy alone is not a published output
-        if not remote_root.is_done(p.remote):
-            if outputs.is_done(p.out):  # finished here, then the upload was cut short (or withdrawn: damaged there)
-                if not outputs.intact(p.out):  # never publish damaged bytes again: prepare it afresh
-                    outputs.withdraw(p.out)
-                    return None
-                remote_root.publish(p.out, p.remote)
-                return _result(p, outputs.read_provenance(p.out), cached=True)
-            return None
-        return _result(p, remote_root.read_provenance(p.remote), cached=True)
-    if not outputs.is_done(p.out):
-        return None
-    prov = outputs.read_provenance(p.out)
-    return _result(p, prov, cached=True)
+    if p.home.is_done():
+        return _result(p, p.home.provenance(), cached=True)
+    prov = p.home.resume_publish(p.out)  # finished here, then its upload was cut short
+    return None if prov is None else _result(p, prov, cached=True)
 
 
 def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
-    out = p.remote or os.path.abspath(p.out)
+    out = p.home.where
     c = prov["counts"]
     val = c["val"]
     return PreparedSource(
@@ -302,9 +293,8 @@ def _write(
         counts["train"]["tokens_written"],
         p.out,
     )
-    if p.remote is not None:
-        remote_root.publish(p.out, p.remote)
-        log.info("source %s: published to %s", src.name, p.remote)
+    if p.home.publish(p.out):
+        log.info("source %s: published to %s", src.name, p.home.where)
     return _result(p, prov, cached=False)
 
 

@@ -316,11 +316,11 @@ def _last_word(tail: str) -> str:
 
 def _withdraw_damaged(stage_name: str, damage: dict, recipe_path: str) -> str:
     """Withdraw the done-marker of the output the trainer found damaged; the one line that says what and the fix."""
-    from tasks.data import outputs, remote_root
+    from tasks.data.home import home_at
 
     folder = damage["path"].rstrip("/")
     out = folder.rsplit("/", 1)[0]  # <data root>/<source>-<hash>, holding the train/ and val/ splits
-    withdrawn = remote_root.withdraw(out) if remote_root.is_remote(out) else outputs.withdraw(out)
+    withdrawn = home_at(out).withdraw()
     shard = f"shard {damage['shard']}" if damage.get("shard") else "its index"
     if damage.get("samples"):
         shard += f" (samples {damage['samples'][0]:,}-{damage['samples'][1]:,})"
