@@ -22,10 +22,8 @@ def tok_info(tmp_path_factory):
 
 @pytest.fixture()
 def s3(moto_s3):
-    storage._s3_client.cache_clear()  # the client is cached per endpoint; each test has a fresh server
     moto_s3.create_bucket(Bucket="corpus")
-    yield moto_s3
-    storage._s3_client.cache_clear()
+    return moto_s3
 
 
 def _run(tmp_path, tok, source, **kw):
@@ -76,3 +74,17 @@ def test_s3_change_redoes_and_bad_patterns_fail(tmp_path, tok_info, s3):
     s3.put_object(Bucket="corpus", Key="bad/a.jsonl", Body=b'{"text": "ok"}\n{"text": 1}\n')
     with pytest.raises(DataError, match=r"^s3://corpus/bad/a.jsonl:2: field 'text' is int, not a string$"):
         _run(tmp_path, tok_info, {"name": "b", "kind": "jsonl", "paths": ["s3://corpus/bad/a.jsonl"]})
+
+
+def test_the_s3_client_follows_the_endpoint_the_environment_names(monkeypatch):
+    """One client kept per endpoint, never one made for an endpoint the environment no longer names: a client cached
+    regardless of it sent a later test's reads to an earlier test's stopped S3 server (CI at d6fc90a)."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:1")
+    first = storage._s3_client()
+    assert storage._s3_client() is first and first.meta.endpoint_url == "http://127.0.0.1:1"
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:2")
+    assert storage._s3_client().meta.endpoint_url == "http://127.0.0.1:2"
+    monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:1")
+    assert storage._s3_client() is first

@@ -36,11 +36,18 @@ def _split_s3(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-@lru_cache(maxsize=1)
 def _s3_client():
+    """The client for the endpoint and credentials the environment names now: one per pair, kept (the prepare stage
+    makes many small reads), but never one made for an endpoint the environment no longer names (one cached
+    regardless of it outlived a test's S3 server into the next test's reads)."""
+    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or None
+    return _client_for(endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_PROFILE"))
+
+
+@lru_cache(maxsize=8)
+def _client_for(endpoint: str | None, key_id: str | None, profile: str | None):
     import boto3
 
-    endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or None
     return boto3.session.Session().client("s3", endpoint_url=endpoint)
 
 
