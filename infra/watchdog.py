@@ -230,33 +230,19 @@ class Watchdog:
         another line once woken, and py-spy's --nonblocking reads a stopped process's memory without waking it.
         """
         pids = self.pids()
-        parts: list[str] = []
         spy = shutil.which("py-spy")
-        if spy:
-            for pid in pids:
-                try:
-                    out = subprocess.run(
-                        [spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30
-                    )
-                    if out.returncode:
-                        parts.append(f"--- py-spy dump of pid {pid} failed: {(out.stderr or out.stdout).strip()}")
-                    else:
-                        parts.append(f"--- py-spy dump of pid {pid}\n{out.stdout}")
-                except (OSError, subprocess.TimeoutExpired) as exc:
-                    parts.append(f"--- py-spy dump of pid {pid} failed: {exc}")
-            if all("failed" not in p.splitlines()[0] for p in parts):
-                for pid in pids:
-                    _signal(pid, signal.SIGCONT)
-                return "\n".join(parts)
-            parts = []
+        dumps = _spy_dumps(spy, pids) if spy else None
+        if dumps is not None:
+            _wake(pids)
+            return dumps
         before = {rank: self._stack_size(rank) for rank in self.ranks}
         for pid in pids:
             _signal(pid, signal.SIGUSR1)
-        for pid in pids:
-            _signal(pid, signal.SIGCONT)
+        _wake(pids)
         deadline = time.monotonic() + STACKS_WAIT_S
         while time.monotonic() < deadline and any(self._stack_size(r) <= before[r] for r in self.ranks):
             time.sleep(0.1)
+        parts: list[str] = []
         for rank in self.ranks:
             path = self.folder / f"stacks-rank{rank}.txt"
             try:
@@ -272,6 +258,29 @@ class Watchdog:
             return (self.folder / f"stacks-rank{rank}.txt").stat().st_size
         except OSError:
             return 0
+
+
+def _spy_dumps(spy: str, pids: list[int]) -> str | None:
+    """Every pid's stacks read by py-spy without waking or pausing it (--nonblocking); None if any dump failed, for
+    faulthandler to answer instead."""
+    parts: list[str] = []
+    for pid in pids:
+        try:
+            out = subprocess.run(
+                [spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode:
+            return None
+        parts.append(f"--- py-spy dump of pid {pid}\n{out.stdout}")
+    return "\n".join(parts)
+
+
+def _wake(pids: list[int]) -> None:
+    """SIGCONT: a stopped rank must run to handle a pending SIGUSR1, and to die of a SIGTERM."""
+    for pid in pids:
+        _signal(pid, signal.SIGCONT)
 
 
 def _signal(pid: int, sig: int) -> None:

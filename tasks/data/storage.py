@@ -37,7 +37,7 @@ def _split_s3(uri: str) -> tuple[str, str]:
 
 
 def _s3_client():
-    """The client for the endpoint and credentials the environment names now: one per pair, kept (the prepare stage
+    """The client for the endpoint and credentials the environment names now: one each, kept (the prepare stage
     makes many small reads), but never one made for an endpoint the environment no longer names (one cached
     regardless of it outlived a test's S3 server into the next test's reads)."""
     endpoint = os.environ.get("S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or None
