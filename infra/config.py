@@ -156,6 +156,59 @@ class CacheVolume(_Kube):
     )
 
 
+# Multipliers of a CPU quantity's suffix (the decimal and binary SI suffixes a quantity may carry).
+_CPU_SUFFIX = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_CPU_SUFFIX |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def cpu_cores(quantity: str) -> float:
+    """A CPU quantity ("8", "500m", "1.5") in cores."""
+    number, suffix = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()
+    return float(number) * _CPU_SUFFIX[suffix]
+
+
+class PrepareJobConfig(_Kube):
+    """`compute.kubernetes.prepare`: the CPU pods that tokenize a recipe's data, as one Indexed Job whose
+    completion indexes are the partitions to prepare (docs/KUBERNETES.md, "Data preparation on the cluster").
+
+    Nothing here is inherited from the training pods' placement: those ask for GPU nodes, and tokenizing asks for
+    none. The image, namespace, credentials, env, service account and image pull secrets are the section's."""
+
+    pods: PositiveInt = Field(
+        8, description="Pods running at once (the Job's parallelism), capped at the number of partitions to prepare."
+    )
+    cpu: str = Field("8", pattern=_QUANTITY, description="CPU each prepare pod requests.")
+    memory: str = Field("16Gi", pattern=_QUANTITY, description="Memory each prepare pod requests and is limited to.")
+    workers: PositiveInt | None = Field(
+        None,
+        description="Tokenizer processes per pod; null: the pod's cpu request rounded down (at least 1). The pod "
+        "gets it as TESSERA_PREPARE_WORKERS.",
+    )
+    scratch_size: str = Field(
+        "50Gi", pattern=_QUANTITY, description="emptyDir for the pod's working copy of the partition it writes."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a prepare pod requires (CPU nodes; not the training pods')."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the prepare pods tolerate (not the training pods')."
+    )
+    priority_class_name: str | None = Field(
+        None, description="PriorityClass of the prepare pods; null: the cluster's default (not the training pods')."
+    )
+    backoff_limit_per_index: int = Field(
+        3,
+        ge=0,
+        description="Failed pods of one partition the Job controller replaces before that partition counts as "
+        "failed (the Job's backoffLimitPerIndex). Evictions and preemptions do not count.",
+    )
+
+    @property
+    def worker_count(self) -> int:
+        """Tokenizer processes per pod: `workers`, else the cpu request's whole cores (at least 1)."""
+        return self.workers or max(1, int(cpu_cores(self.cpu)))
+
+
 class KubernetesConfig(_Kube):
     """`compute.kubernetes`: the pods a stage trains in, and how failures are handled (docs/KUBERNETES.md)."""
 
@@ -248,6 +301,10 @@ class KubernetesConfig(_Kube):
     eval_memory: str | None = Field(None, pattern=_QUANTITY, description="Memory of each evaluation pod.")
     eval_concurrency: PositiveInt = Field(
         2, description="Evaluation pods running at once (a Prefect global concurrency limit)."
+    )
+    prepare: PrepareJobConfig = Field(
+        default_factory=PrepareJobConfig,
+        description="The CPU pods that prepare the data (an Indexed Job, one completion index per partition).",
     )
 
     @field_validator("env")

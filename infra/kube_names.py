@@ -1,8 +1,9 @@
 """What tessera's Kubernetes objects are called and how they are found again: the unit of work a group
 runs (Workload), its object names, labels and selectors, pod 0's DNS name, the containers' names.
 
-The names are deterministic from (run, stage, attempt) so that a relaunched flow finds the group it
-already created; every object carries the run, stage and attempt as labels. The manifests
+The names are deterministic from (run, stage, attempt) (a data preparation: (run, plan key, attempt)) so
+that a relaunched flow finds the group it already created; every object carries the run, stage and
+attempt as labels. The manifests
 (infra/manifests.py) write these names, and the launcher (infra/kubernetes.py), `tessera k8s status`
 and the API calls (infra/kube_api.py) look objects up by them, so they live apart from both.
 """
@@ -20,7 +21,7 @@ from infra.config import KubernetesConfig
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "node"  # the one replicated job of a training JobSet: one Indexed Job of N pods
 # The launcher reads these containers' state and logs by name.
-TRAIN_CONTAINER, EVAL_CONTAINER = "trainer", "evaluator"
+TRAIN_CONTAINER, EVAL_CONTAINER, PREPARE_CONTAINER = "trainer", "evaluator", "preparer"
 
 LABEL_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY = (
     "app.kubernetes.io/name",
@@ -52,24 +53,34 @@ def label_value(text: str) -> str:
     return text if len(text) <= 63 and _LABEL_VALUE.match(text) else slug(text)
 
 
+def short_key(key: str) -> str:
+    """The first 8 characters of a content key (a plan's hash) as they go into names and labels: the key itself
+    when it is lowercase hex or alphanumeric, else a digest of it (so any key gives a valid, stable name)."""
+    return key[:8] if re.fullmatch(r"[a-z0-9]{8,}", key) else _digest(key, 8)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """Which unit of work a group of objects runs: stage `stage` of `run`, or the evaluation of one checkpoint."""
+    """Which unit of work a group of objects runs: stage `stage` of `run`, the evaluation of one checkpoint, or
+    the preparation of the data a plan (content key `key`) names."""
 
     run: str
-    component: Literal["train", "eval"]
+    component: Literal["train", "eval", "prepare"]
     stage: int = 0  # train: the 0-based stage index
     tokens: int = 0  # eval: the checkpoint's tokens
     attempt: int = 0  # launches of this unit so far (a relaunch after a preemption is the next)
+    key: str = ""  # prepare: the plan's content key (its hash)
 
     @property
     def name(self) -> str:
-        unit = f"s{self.stage}" if self.component == "train" else f"e{self.tokens}"
-        return f"tessera-{slug(self.run)}-{unit}-a{self.attempt}"
+        unit = {"train": f"s{self.stage}", "eval": f"e{self.tokens}", "prepare": f"p{short_key(self.key)}"}
+        return f"tessera-{slug(self.run)}-{unit[self.component]}-a{self.attempt}"
 
     def selector(self, with_attempt: bool = False) -> dict[str, str]:
         """Labels every object of this unit carries (with_attempt: of this very launch)."""
-        unit = str(self.stage) if self.component == "train" else f"tok-{self.tokens}"
+        unit = {"train": str(self.stage), "eval": f"tok-{self.tokens}", "prepare": f"prep-{short_key(self.key)}"}[
+            self.component
+        ]
         labels = {
             LABEL_NAME: "tessera",
             LABEL_COMPONENT: self.component,
