@@ -1,8 +1,10 @@
-"""What `tessera k8s render` and `tessera k8s status` print: the manifests of a stage, the live objects of a run."""
+"""What `tessera k8s render` and `tessera k8s status` print: the manifests of a stage or of a data preparation,
+the live objects of a run."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -22,6 +24,7 @@ from infra.kube_names import (
 from infra.kube_outcome import condition
 from infra.manifests import stage_manifests
 from infra.pod_spec import JOB_DIR, JOB_FILE
+from infra.prepare_job import prepare_job
 
 
 def render_stage(
@@ -36,6 +39,26 @@ def render_stage(
         compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json, env or {}
     )
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)
+
+
+def render_prepare(
+    compute: ComputeConfig,
+    *,
+    run: str,
+    key: str,
+    completions: int,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    fail_fast: bool,
+    attempt: int = 0,
+) -> str:
+    """The Indexed Job a data preparation creates (plan key `key`, `completions` partitions), as YAML for review or
+    `kubectl apply -f -`."""
+    work = Workload(run, "prepare", key=key, attempt=attempt)
+    job = prepare_job(
+        compute.kubernetes, work, completions=completions, argv=list(argv), env=env or {}, fail_fast=fail_fast
+    )
+    return yaml.safe_dump_all([job], sort_keys=False, width=120)
 
 
 def _state(kind: str, obj: dict) -> str:

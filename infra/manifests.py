@@ -55,7 +55,9 @@ def _pod_failure_policy(container: str) -> dict:
     }
 
 
-def _metadata(cfg: KubernetesConfig, work: Workload, name: str | None = None, queue: bool = False) -> dict:
+def object_metadata(cfg: KubernetesConfig, work: Workload, name: str | None = None, queue: bool = False) -> dict:
+    """An object's name, namespace, labels (with `queue`, Kueue's queue label: set on the group Kueue admits) and
+    the run name as written."""
     labels = dict(work.labels)
     if queue and cfg.queue_name:
         labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
@@ -115,14 +117,19 @@ def network_policy(cfg: KubernetesConfig, work: Workload) -> dict:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(cfg, work),
+        "metadata": object_metadata(cfg, work),
         "spec": {"podSelector": group, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": group}]}]},
     }
 
 
 def job_config_map(cfg: KubernetesConfig, work: Workload, job_json: str) -> dict:
     """The trainer's job file, mounted read-only at JOB_DIR/JOB_FILE in every pod of the group."""
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cfg, work), "data": {JOB_FILE: job_json}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_metadata(cfg, work),
+        "data": {JOB_FILE: job_json},
+    }
 
 
 def jobset(
@@ -138,7 +145,7 @@ def jobset(
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
-        "metadata": _metadata(cfg, work, queue=True),
+        "metadata": object_metadata(cfg, work, queue=True),
         "spec": {
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             "successPolicy": {"operator": "All"},
@@ -195,7 +202,7 @@ def indexed_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(cfg, work, queue=True),
+        "metadata": object_metadata(cfg, work, queue=True),
         "spec": _indexed_job_spec(cfg, work, command, ranks_per_node, subdomain=work.name),
     }
 
@@ -206,7 +213,7 @@ def headless_service(cfg: KubernetesConfig, work: Workload) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(cfg, work),
+        "metadata": object_metadata(cfg, work),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -227,7 +234,7 @@ def eval_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(cfg, work, queue=True),
+        "metadata": object_metadata(cfg, work, queue=True),
         "spec": _job_spec(work, EVAL_CONTAINER, 1, pod),
     }
 
