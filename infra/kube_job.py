@@ -20,7 +20,7 @@ from infra.kube_api import Kube, KubeError
 from infra.kube_cleanup import delete_launch
 from infra.kube_names import Workload
 from infra.kube_nodes import avoid
-from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome
+from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome, parse_indexes
 from infra.kube_relay import LogRelay
 from infra.kube_watch import GroupWatch
 from infra.lifecycle import forget
@@ -106,6 +106,11 @@ class KubernetesJob:
     def restarts(self) -> int:
         """Restarts after application failures."""
         return self._group.restarts
+
+    def indexes_done(self) -> list[int]:
+        """Completion indexes of an Indexed Job that have succeeded, as its status said when last looked at (a data
+        preparation's partitions done); empty for a JobSet."""
+        return parse_indexes(self._group.status.get("completedIndexes"))
 
     def poll(self) -> int | None:
         return None if self._outcome is None else self._outcome.code

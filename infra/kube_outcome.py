@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from infra.kube_names import PREPARE_CONTAINER, TRAIN_CONTAINER
 from infra.manifests import DISRUPTION_MESSAGE
 from trainers.contract import FATAL, HUNG, INTERRUPTED, RETRYABLE
 
@@ -60,6 +61,7 @@ class PodFailure:
     code: int
     message: str
     hung: bool = False  # its watchdog killed the group: the cause of the other pods' failures, not one of them
+    oom: bool = False  # its container was OOMKilled
 
 
 def condition(obj: dict, kind: str) -> dict | None:
@@ -99,17 +101,23 @@ def pod_failure(pod: dict, container: str) -> PodFailure | None:
     if terminated:
         code = int(terminated.get("exitCode", 0))
         if terminated.get("reason") == "OOMKilled":
+            remedy = (
+                "raise compute.kubernetes.prepare.memory"
+                if container == PREPARE_CONTAINER
+                else "raise compute.kubernetes.memory or lower train.device_microbatch_size"
+            )
             return PodFailure(
                 name,
                 uid,
                 "fatal",
                 FATAL,
                 f"pod {name}: container {container} was OOMKilled (memory "
-                f"limit {_limit(pod, container, 'memory')}); raise compute.kubernetes.memory or "
-                f"lower train.device_microbatch_size",
+                f"limit {_limit(pod, container, 'memory')}); {remedy}",
+                oom=True,
             )
         if code == FATAL:
-            return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: the trainer exited {FATAL} (fatal)")
+            who = "the trainer" if container == TRAIN_CONTAINER else f"container {container}"
+            return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: {who} exited {FATAL} (fatal)")
         if code == HUNG:  # infra/pod_launch.py's watchdog; its line is the container's termination message
             said = (terminated.get("message") or "the watchdog found a hung rank").strip().splitlines()[0]
             return PodFailure(name, uid, "disruption", INTERRUPTED, f"pod {name}: {said}", hung=True)
@@ -179,6 +187,15 @@ def explain_end(failures: list[PodFailure], what: str, cond: dict | None) -> Out
     if disrupted_by_policy(cond):
         return Outcome(INTERRUPTED, "disruption", f"{what} failed ({why})")
     return Outcome(RETRYABLE, "failure", f"{what} failed ({why})")
+
+
+def parse_indexes(text: str | None) -> list[int]:
+    """Completion indexes as a Job's status lists them ("1,3-5" -> [1, 3, 4, 5]; completedIndexes, failedIndexes)."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
 
 
 def disrupted_by_policy(cond: dict | None) -> bool:

@@ -5,6 +5,11 @@ The classification of a single pod or condition is infra/kube_outcome.py; this m
 only shows over time: how long a pod has been unschedulable or pulling its image, how long a JobSet
 has been suspended by Kueue, the restarts a JobSet went through (and which were evictions), and,
 with `api: indexed-job`, the restarts this launcher makes itself by deleting and recreating the Job.
+
+A data preparation's Job (infra/prepare_job.py) is watched the same way, with one difference: its pods
+are independent, and the Job controller replaces a failed one itself (backoffLimitPerIndex), so a pod
+failure is reported and the watch goes on; only the Job's own end (or exit 78, which fails the Job at
+once by its pod failure policy) ends it, and a failed Job is explained by its first failed index.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import replace
 from infra.config import ComputeConfig, KubernetesConfig
 from infra.kube_api import Kube, KubeError
 from infra.kube_cleanup import delete_for_recreate
-from infra.kube_names import Workload, selector_string
+from infra.kube_names import COMPLETION_INDEX_ANNOTATION, Workload, selector_string
 from infra.kube_nodes import avoid
 from infra.kube_outcome import (
     FATAL,
@@ -30,6 +35,7 @@ from infra.kube_outcome import (
     condition,
     explain_end,
     most_telling,
+    parse_indexes,
     pod_failure,
     scheduler_message,
     unschedulable,
@@ -74,6 +80,11 @@ class GroupWatch:
         self.pending_s = 0.0
         self._judged_at: float | None = None
         self._recreated = False  # an indexed job was deleted and created again: watch the new one afresh
+        # A data preparation: the Job controller retries each completion index on its own; a pod's failure is not
+        # the group's (module docstring).
+        self.per_index = work.component == "prepare"
+        self._indexes: dict[str, int] = {}  # pod uid -> its completion index, for the failures seen
+        self.status: dict = {}  # the group's status as last seen (completedIndexes, failedIndexes, ...)
 
     def failure_behind(self, outcome: Outcome) -> PodFailure | None:
         """The pod failure of this attempt that `outcome` reports, if it reports one."""
@@ -163,6 +174,9 @@ class GroupWatch:
         pods = [p for p in self._pods() if not (p.get("metadata") or {}).get("deletionTimestamp")]
         suspended = condition(group, "Suspended") is not None
         queued = suspended or any(unschedulable(p) for p in pods)
+        # A preparation with a pod running goes on with the nodes it has: its other pods may wait for room. Once none
+        # runs, a pod unschedulable past pending_timeout_s ends it, as it ends a training group.
+        progressing = self.per_index and any((p.get("status") or {}).get("phase") == "Running" for p in pods)
         if suspended:  # Kueue's queue, not the scheduler: a pod's pending clock starts once the group is admitted
             self._since = {k: v for k, v in self._since.items() if k[1] != "pending"}
         if queued and self._judged_at is not None:
@@ -174,10 +188,15 @@ class GroupWatch:
             failure = pod_failure(pod, self.container)
             if failure is not None and uid not in self._failures:
                 self._failures[uid] = failure
+                self._indexes[uid] = _completion_index(pod)
                 node = (pod.get("spec") or {}).get("nodeName")
                 if failure.hung and node and self.cfg.avoid_slow_nodes:  # before the group's restart is scheduled
                     self._report(avoid(self.kube, node, failure.message))
-                if failure.cause == "fatal":  # OOM or exit 78: a restart would fail the same way
+                if self.per_index:
+                    outcome = self._index_failure(failure, self._indexes[uid])
+                    if outcome is not None:
+                        return outcome
+                elif failure.cause == "fatal":  # OOM or exit 78: a restart would fail the same way
                     return Outcome(failure.code, "fatal", f"{self._what()} failed: {failure.message}")
             stuck = waiting(pod, self.container)
             if stuck and stuck[0] in INVALID_SPEC:
@@ -191,7 +210,11 @@ class GroupWatch:
                         f"{self.cfg.image_pull_timeout_s:.0f}s: {stuck[0]}: {stuck[1]}".rstrip(": "),
                     )
             message = unschedulable(pod)
-            if message is not None and self._stuck(uid, "pending", now) > self.cfg.pending_timeout_s:
+            if (
+                message is not None
+                and self._stuck(uid, "pending", now) > self.cfg.pending_timeout_s
+                and not progressing
+            ):
                 events = self.kube.list("Event", field_selector=f"involvedObject.name={name}")
                 message = scheduler_message(events) or message
                 return Outcome(
@@ -253,12 +276,60 @@ class GroupWatch:
             self._since.pop((self.name, "suspended"), None)
         return None
 
+    def _index_failure(self, failure: PodFailure, index: int) -> Outcome | None:
+        """A preparation's pod failed: exit 78 ends it at once (its Job's FailJob rule fails the Job anyway); any
+        other failure is the Job controller's to retry, and is said in the log."""
+        if failure.cause == "fatal" and not failure.oom:
+            return Outcome(failure.code, "fatal", f"{self._what()}: {_failed(index)}: {failure.message}")
+        if failure.cause == "disruption":
+            self.preemptions += 1
+            self._report(f"{failure.message}; the Job controller replaces it (not counted against its index's budget)")
+        else:
+            budget = self.cfg.prepare.backoff_limit_per_index
+            self._report(
+                f"index {index}: {failure.message}; the Job controller retries the index while its budget lasts "
+                f"(compute.kubernetes.prepare.backoff_limit_per_index={budget})"
+            )
+        return None
+
+    def _explain_failed_indexes(self, failed: dict) -> Outcome:
+        """A failed preparation: its first failed index (status.failedIndexes) and that index's most telling pod
+        failure; else the failure that ended the Job by its policy (exit 78, whose index need not be listed: it
+        fails the Job before its budget is spent); else the Job's own condition."""
+        listed = parse_indexes(self.status.get("failedIndexes"))
+        seen = [(self._indexes.get(uid, -1), f) for uid, f in self._failures.items()]
+        index, failures = -1, []
+        if listed:
+            index = listed[0]
+            failures = [f for i, f in seen if i == index and f.cause != "disruption"] or [
+                f for i, f in seen if i == index
+            ]
+        if not failures:
+            fatal = [(i, f) for i, f in seen if f.cause == "fatal"]
+            if fatal:
+                index, failures = fatal[-1][0], [fatal[-1][1]]
+        others = f" (failed indexes: {self.status['failedIndexes']})" if len(listed) > 1 else ""
+        if not failures:
+            outcome = explain_end([], self._what(), failed)
+            where = f": {_failed(index)}" if index >= 0 else ""
+            return replace(outcome, message=f"{outcome.message}{where}{others}")
+        worst = most_telling(failures[::-1])  # the latest of the best-ranked: the index's last try
+        return Outcome(
+            worst.code,
+            worst.cause,
+            f"{self._what()}: {_failed(index)}: {worst.message}{others}",
+            restarts_spent=worst.cause == "failure",  # the Job controller spent the index's budget on it
+        )
+
     def _judge_job(self, job: dict) -> Outcome | None:
+        self.status = job.get("status") or {}
         if condition(job, "Complete"):
             return Outcome(0, "done", f"{self._what()} completed")
         failed = condition(job, "Failed")
         if not failed:
             return None
+        if self.per_index:
+            return self._explain_failed_indexes(failed)
         outcome = explain_end(self._attempt_failures(), self._what(), failed)
         if not self.recreate:
             return outcome
@@ -291,3 +362,16 @@ class GroupWatch:
         self._recreated = True
         self._failures.clear()
         self._since.clear()
+
+
+def _completion_index(pod: dict) -> int:
+    """The pod's completion index in its Indexed Job (-1: none)."""
+    meta = pod.get("metadata") or {}
+    value = (meta.get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION) or (meta.get("labels") or {}).get(
+        COMPLETION_INDEX_ANNOTATION
+    )
+    return int(value) if value is not None and str(value).isdigit() else -1
+
+
+def _failed(index: int) -> str:
+    return f"index {index} failed" if index >= 0 else "failed"

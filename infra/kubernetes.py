@@ -1,5 +1,6 @@
 """The `kubernetes` compute backend: a training stage as a JobSet (or an Indexed Job and a headless Service),
-a checkpoint's evaluation as a one-pod Job, launched through the Kubernetes API.
+a checkpoint's evaluation as a one-pod Job, the data's preparation as an Indexed Job of CPU pods (one
+completion index per partition), launched through the Kubernetes API.
 
 Same interface as infra.local: `launch(module, args, *, log_dir, env)` returns a job (infra/kube_job.py)
 with poll, wait, cancel, tail, new_output, log_path and stopped. This module decides what a launch
@@ -30,11 +31,19 @@ from infra.config import ComputeConfig
 from infra.kube_api import Kube, KubeError
 from infra.kube_cleanup import delete_ended_group
 from infra.kube_job import KubernetesJob
-from infra.kube_names import EVAL_CONTAINER, LABEL_ATTEMPT, TRAIN_CONTAINER, Workload, selector_string
+from infra.kube_names import (
+    EVAL_CONTAINER,
+    LABEL_ATTEMPT,
+    PREPARE_CONTAINER,
+    TRAIN_CONTAINER,
+    Workload,
+    selector_string,
+)
 from infra.kube_outcome import FATAL, Outcome, condition
 from infra.lifecycle import LaunchRefused, refuse_if_stopping, register
 from infra.manifests import eval_job, stage_manifests
 from infra.pod_spec import JOB_DIR, JOB_FILE
+from infra.prepare_job import prepare_job
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +61,13 @@ def _with_option(args: Sequence[str], flag: str, value: str) -> list[str]:
     return out
 
 
+# The local log file of each kind of launch, in its log_dir.
+_LOG_NAMES = {"train": "pod0.log", "eval": "eval.log", "prepare": "prepare.log"}
+
+
 class KubernetesBackend:
-    """Launches a training stage as a group of pods, and an evaluation as one pod, in compute.kubernetes.namespace."""
+    """Launches a training stage as a group of pods, an evaluation as one pod, and a data preparation as an Indexed
+    Job of CPU pods, in compute.kubernetes.namespace."""
 
     def __init__(self, compute: ComputeConfig, kube: Kube | None = None):
         if compute.kubernetes is None:
@@ -103,9 +117,36 @@ class KubernetesBackend:
             recreate=False,
         )
 
+    def launch_prepare(
+        self,
+        argv: Sequence[str],
+        *,
+        run: str,
+        key: str,
+        completions: int,
+        fail_fast: bool,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> KubernetesJob:
+        """The partitions of the plan with content key `key` prepared by an Indexed Job (infra/prepare_job.py): pod
+        i runs `argv` and reads its partition's number from JOB_COMPLETION_INDEX. The job ends when the Job does
+        (0 once every index succeeded; a failed Job names its first failed index); a pod the Job controller retries
+        does not end it. A live Job of the same run and key is re-attached to, never doubled."""
+        return self._start(
+            Workload(run, "prepare", key=key),
+            lambda work: [
+                prepare_job(
+                    self.cfg, work, completions=completions, argv=list(argv), env=env or {}, fail_fast=fail_fast
+                )
+            ],
+            PREPARE_CONTAINER,
+            log_dir,
+            recreate=False,
+        )
+
     def _start(self, unit: Workload, build, container: str, log_dir: Path, *, recreate: bool) -> KubernetesJob:
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / ("pod0.log" if unit.component == "train" else "eval.log")
+        log_path = log_dir / _LOG_NAMES[unit.component]
         kind = "JobSet" if unit.component == "train" and self.cfg.api == "jobset" else "Job"
         # The process-wide launch lock is not held across the API calls below (a list, deletes that wait up to
         # delete_wait_s, creates): a cancel must never wait behind a slow API server. It is taken to check
@@ -113,7 +154,7 @@ class KubernetesBackend:
         refuse_if_stopping()
         found = self.kube.list(kind, selector_string(unit.selector()))
         attempts = [int(o["metadata"]["labels"].get(LABEL_ATTEMPT, 0)) for o in found]
-        key = (unit.run, unit.component, unit.stage, unit.tokens)
+        key = (unit.run, unit.component, unit.stage, unit.tokens, unit.key)
         attempt = max([self._next_attempt.get(key, 0), *(a + 1 for a in attempts)])
         for obj in found:
             if _is_live(obj):  # re-attach: this run's stage is already training

@@ -229,8 +229,9 @@ class FakeCluster:
                 assert left > 0, f"{kind} {name} was not deleted"
                 self.cond.wait(left)
 
-    def start_pods(self, group: dict, phase: str = "Running") -> list[str]:
-        """The pods a Job (or a JobSet's one Indexed Job) creates, one per completion index."""
+    def start_pods(self, group: dict, phase: str = "Running", indexes: list[int] | None = None) -> list[str]:
+        """The pods a Job (or a JobSet's one Indexed Job) creates, one per completion index (`indexes`: only those,
+        as the Job controller starts a parallelism-bounded Job's next indexes, or replaces one index's failed pod)."""
         kind, name, ns = group["kind"], group["metadata"]["name"], group["metadata"]["namespace"]
         if kind == "JobSet":
             rj = group["spec"]["replicatedJobs"][0]
@@ -239,7 +240,7 @@ class FakeCluster:
             job_name, job_spec = name, group["spec"]
         template = job_spec["template"]
         names = []
-        for index in range(job_spec.get("completions", 1)):
+        for index in range(job_spec.get("completions", 1)) if indexes is None else indexes:
             suffix = uuid.uuid4().hex[:5]
             pod_name = (
                 f"{job_name}-{index}-{suffix}"
