@@ -126,6 +126,8 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
 
     recipe = _kubernetes_recipe(args.recipe)
     run = args.run_name or recipe.name
+    if args.prepare:
+        return _render_prepare(recipe, args.recipe, run, args.attempt)
     if not 0 <= args.stage < len(recipe.train.stages):
         raise RecipeError(f"--stage: {args.stage} is not a stage of {args.recipe} (0..{len(recipe.train.stages) - 1})")
     job = Path(args.job) if args.job else Path(recipe.work_dir) / "runs" / run / "job.json"
@@ -150,6 +152,42 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
         path = Path(tmp) / "job.json"
         path.write_text(planned.model_dump_json(indent=2))
         print(render_stage(recipe.compute, path, args.stage, args.attempt), end="")
+    return 0
+
+
+def _render_prepare(recipe, recipe_path: str, run: str, attempt: int) -> int:
+    """The prepare Job `tessera prepare` would submit: planned from the sources when this machine reads them."""
+    from infra.k8s_views import render_prepare
+    from tasks.data.cluster import pod_command, preview
+    from tasks.data.errors import DataError
+    from tasks.data.tokenizer import peek
+
+    try:
+        tok = peek(recipe.data.tokenizer)
+    except DataError:
+        tok = None
+    job = preview(recipe.data, tok)
+    if job.unread is None:
+        print(f"# tessera: from {recipe_path}: {job.completions} partitions left to prepare, planned from the data")
+    else:
+        print(
+            f"# tessera: from {recipe_path} alone: the sources could not be planned here ({job.unread}); "
+            f"{job.key} stands for the key `tessera prepare` names the Job's index file with, and completions for "
+            "the number of partitions left to prepare"
+        )
+    print(
+        render_prepare(
+            recipe.compute,
+            run=run,
+            key=job.key,
+            completions=job.completions,
+            argv=pod_command(job.index_uri),
+            env={},
+            fail_fast=job.fail_fast,
+            attempt=attempt,
+        ),
+        end="",
+    )
     return 0
 
 

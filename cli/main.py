@@ -242,9 +242,15 @@ def _service_commands(sub) -> None:
 
     k8s = sub.add_parser("k8s", help="The Kubernetes backend's objects: render a stage's manifests, show a run's.")
     k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
-    render = k8s_sub.add_parser("render", help="Print a stage's manifests (for review or `kubectl apply -f -`).")
+    render = k8s_sub.add_parser(
+        "render", help="Print a stage's manifests, or the prepare Job (for review or `kubectl apply -f -`)."
+    )
     render.add_argument("recipe", help="A recipe with compute.backend: kubernetes.")
-    render.add_argument("--stage", type=int, required=True, help="0-based curriculum stage.")
+    which = render.add_mutually_exclusive_group(required=True)
+    which.add_argument("--stage", type=int, help="0-based curriculum stage.")
+    which.add_argument(
+        "--prepare", action="store_true", help="The prepare stage's Indexed Job (one index per partition to prepare)."
+    )
     render.add_argument("--run-name", default=None, help="Run name (default: the recipe's name).")
     render.add_argument("--attempt", type=int, default=0, help="Launch number, as in the objects' names (default 0).")
     render.add_argument("--job", default=None, help="Job file (default: <work_dir>/runs/<run>/job.json).")

@@ -304,5 +304,7 @@ def _one_pass(recipe: Recipe, source: dict, tokenizer: dict, replay_fraction: fl
     from tasks.data.config import DataConfig
 
     raw = recipe.data.model_dump(mode="json") | {"sources": [source], "tokenizer": tokenizer}
-    prepared = prepare_sources.with_options(flow_run_name="prepare-new-data")(DataConfig.model_validate(raw))
+    prepared = prepare_sources.with_options(flow_run_name="prepare-new-data")(
+        DataConfig.model_validate(raw), recipe.compute, f"{recipe.name}-new-data"
+    )
     return continuation.one_pass(prepared.sources[source["name"]].tokens, replay_fraction)

@@ -161,7 +161,7 @@ def run_pipeline(
         try:
             record_recipe(recipe, run_name, run_dir, run_id)
             link_mlflow_run(recipe.tracking, run_name, run_id)
-            data = prepare_recipe_data(recipe.data, recipe.train.stages, run_name)
+            data = prepare_recipe_data(recipe.data, recipe.train.stages, run_name, recipe.compute)
             job = make_job(
                 run_name,
                 recipe.model,

@@ -153,11 +153,31 @@ class Recipe(BaseModel):
                         f"{value}: must be an s3:// URI with compute.backend kubernetes "
                         "(pods share no disk with the flow or with each other)",
                     )
+            self._check_sources_reach_pods()
             if not self.tracking.tracking_uri.startswith(("http://", "https://", "databricks")):
                 raise CrossCheckError(
                     ("tracking", "tracking_uri"),
                     f"{self.tracking.tracking_uri}: pods log to "
                     "MLflow over the network; use an http(s):// tracking server",
+                )
+
+    def _check_sources_reach_pods(self) -> None:
+        """The prepare Job's pods read every source themselves: an s3:// path, or a Hugging Face dataset the pods
+        fetch by name. A path on the flow's disk, which no pod can read, is refused naming the source."""
+        for i, src in enumerate(self.data.sources):
+            if src.kind == "hf":
+                paths = list(src.data_files or [])
+                if not paths and (src.path.startswith((".", "/", "~")) or Path(src.path).exists()):
+                    paths = [src.path]
+                field = "data_files" if src.data_files else "path"
+            else:
+                paths, field = list(src.paths), "paths"
+            local = [p for p in paths if not p.startswith("s3://")]
+            if local:
+                raise CrossCheckError(
+                    ("data", "sources", i, field),
+                    f"source '{src.name}': {local[0]} is on this machine's disk, which the prepare Job's pods cannot "
+                    "read with compute.backend kubernetes; use an s3:// path (or a Hugging Face dataset by name)",
                 )
 
     def notices(self) -> list[str]:

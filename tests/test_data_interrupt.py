@@ -1,4 +1,5 @@
-"""Ctrl-C and SIGTERM stop a real `tessera prepare` within 5 s, publish nothing partial, keep what finished."""
+"""Ctrl-C and SIGTERM stop a real `tessera prepare` within 5 s, publish nothing partial, keep what finished: the
+sources and the partitions done."""
 
 from __future__ import annotations
 
@@ -51,9 +52,12 @@ def _wait_for(cond, proc, timeout_s=240):
 
 
 def _interrupt(proc, root, sig: int, group: bool) -> tuple[str, float]:
-    """Once `big` is being written (and `early` is done), send `sig`; return stderr and seconds to be gone."""
+    """Once `big` is being written past a partition (and `early` is done), send `sig`; return stderr and seconds to
+    be gone."""
     _wait_for(lambda: glob.glob(os.path.join(root, "early-*", "_DONE")), proc)
-    _wait_for(lambda: glob.glob(os.path.join(root, ".big-*.tmp-*", "train")), proc)
+    done_before = len(_big_partitions(root))
+    _wait_for(lambda: len(_big_partitions(root)) > done_before, proc)
+    _wait_for(lambda: glob.glob(os.path.join(root, "big-*", ".tmp-*", "train")), proc)
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3  # tessera, Prefect's temporary server, the tokenizer pool
     t0 = time.monotonic()
@@ -69,6 +73,14 @@ def _interrupt(proc, root, sig: int, group: bool) -> tuple[str, float]:
     assert not alive, [p.pid for p in alive]
     print(f"{signal.Signals(sig).name}: exit code {proc.returncode}, all processes gone in {elapsed:.2f} s")
     return stderr, elapsed
+
+
+def _big_partitions(root) -> dict[str, int]:
+    """big's finished partitions: the inode of each one's train folder (a partition written again gets a new one)."""
+    return {
+        os.path.basename(os.path.dirname(m)): os.stat(m.replace("/parts/", "/train/").removesuffix("/_DONE")).st_ino
+        for m in glob.glob(os.path.join(root, "big-*", "parts", "*", "_DONE"))
+    }
 
 
 def _state(root):
@@ -90,7 +102,9 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
         root,
         tmp_path / "wd",
         workers=2,
+        partition_bytes=4 << 20,  # big: 11 partitions
     )
+    kept: dict[str, int] = {}
 
     for sig, group, code in ((signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)):
         proc = _start(recipe)
@@ -100,11 +114,16 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
         said = [line for line in stderr.splitlines() if line.startswith("tessera: interrupted")]
         assert said == [
             f"tessera: interrupted by {sig.name}: nothing partial was published; finished sources "
-            "are kept and a rerun reuses them"
+            "and partitions are kept and a rerun reuses them"
         ], stderr[-3000:]
         assert "Traceback" not in stderr, stderr[-3000:]
-        # Nothing of the interrupted source: no output, no staging, no lease; the finished one intact.
-        assert glob.glob(os.path.join(root, "big-*")) == glob.glob(os.path.join(root, ".big-*")) == []
+        # Nothing partial of the interrupted source: no done-marker, no staging, no lease; its finished partitions
+        # (this run's and the last one's, untouched) and the finished source intact.
+        assert glob.glob(os.path.join(root, "big-*", "_DONE")) == glob.glob(os.path.join(root, ".big-*")) == []
+        assert glob.glob(os.path.join(root, "big-*", ".tmp-*")) == []
+        now = _big_partitions(root)
+        assert len(now) > len(kept) and {k: now[k] for k in kept} == kept
+        kept = now
         if sig == signal.SIGINT:
             finished = _state(root)
         assert _state(root) == finished
@@ -121,6 +140,8 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_a_rerun_finishes(tmp_path):
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.startswith(("early ", "big "))}
     assert rows["early"][5] == "cached" and rows["big"][5] == "written", done.stdout
     assert _state(root) == finished  # reused, not rewritten
+    assert f"source big: {len(kept)} of 11 partitions already prepared" in done.stderr, done.stderr[-3000:]
+    assert {k: v for k, v in _big_partitions(root).items() if k in kept} == kept
     docs = [d for d in big.read_text().split("\n\n") if d.strip()]
     assert int(rows["big"][1].replace(",", "")) == len(docs)
     assert glob.glob(os.path.join(root, "big-*", "_DONE")) and glob.glob(os.path.join(root, ".*")) == []

@@ -184,13 +184,21 @@ def test_parallel_chunks_match_serial_and_report_progress(tmp_path, tok_info):
         for n, w in (("one", 1), ("two", 2))
     }
     seen = {n: [0, 0] for n in data}
+    parts = {n: [] for n in data}
 
-    def progress(name):
-        def add(docs, tokens):
-            seen[name][0] += docs
-            seen[name][1] += tokens
+    class progress:  # tasks.data.pipeline.Progress
+        def __init__(self, name):
+            self.name = name
 
-        return add
+        def begin(self, source, partitions, reused):
+            parts[self.name].append((source, partitions, reused))
+
+        def __call__(self, docs, tokens):
+            seen[self.name][0] += docs
+            seen[self.name][1] += tokens
+
+        def partition(self, record):
+            parts[self.name].append(record["index"])
 
     serial, par = (pipeline.prepare_source(d.sources[0], d, tok_info, progress=progress(n)) for n, d in data.items())
     assert prov(par.root)["format"]["parts"] == 5
@@ -202,3 +210,4 @@ def test_parallel_chunks_match_serial_and_report_progress(tmp_path, tok_info):
     assert par.samples == total // 128  # packed in document order: only one final remainder is dropped
     assert np.array_equal(b.reshape(-1), _concat(docs)[: b.size])
     assert seen == {"one": [len(docs), total], "two": [len(docs), total]}
+    assert parts == {"one": [("s", 1, 0), 0], "two": [("s", 1, 0), 0]}  # one partition (1 GiB each by default)

@@ -18,6 +18,8 @@ def _recipe(tmp_path, compute_section: dict) -> str:
     raw = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     raw["work_dir"] = str(tmp_path / "work")
     raw["data"]["root"] = "s3://tessera-data/prepared"
+    for src in raw["data"]["sources"]:  # the prepare Job's pods read the sources themselves
+        src["paths"] = [f"s3://tessera-data/corpora/{src['name']}/"]
     raw["train"]["save_folder"] = "s3://tessera-ckpt/runs"
     raw["tracking"]["tracking_uri"] = "http://mlflow.tessera.svc:5000"
     raw["compute"] = compute_section

@@ -376,9 +376,16 @@ def test_recipe_errors_are_one_line_naming_the_field(tmp_path):
     )
     k8s = {"backend": "kubernetes", "kubernetes": {"image": "img:1"}}
     assert "data.root: .tessera/data: must be an s3:// URI with compute.backend kubernetes" in load(compute=k8s)
-    s3_data = {**raw["data"], "root": "s3://bucket/data"}
-    assert "train.save_folder: None: must be an s3:// URI" in load(compute=k8s, data=s3_data)
+    local_sources = {**raw["data"], "root": "s3://bucket/data"}
+    assert "train.save_folder: None: must be an s3:// URI" in load(compute=k8s, data=local_sources)
     s3_train = {**raw["train"], "save_folder": "s3://bucket/ckpt"}
+    assert load(compute=k8s, data=local_sources, train=s3_train).endswith(
+        "data.sources.0.paths: source 'literary': data/corpora/tinyshakespeare/input.txt is on this machine's disk, "
+        "which the prepare Job's pods cannot read with compute.backend kubernetes; use an s3:// path (or a Hugging "
+        "Face dataset by name)"
+    )
+    sources = [{**s, "paths": [f"s3://bucket/corpora/{s['name']}/"]} for s in raw["data"]["sources"]]
+    s3_data = {**local_sources, "sources": sources}
     assert "tracking.tracking_uri: sqlite:///.tessera/mlflow.db: pods log to MLflow over the network" in load(
         compute=k8s, data=s3_data, train=s3_train
     )

@@ -174,6 +174,13 @@ class DataConfig(_Strict):
     chunk_bytes: PositiveInt = Field(
         8 << 20, description="Large text/JSONL files are cut into chunks of about this size to tokenize in parallel."
     )
+    partition_bytes: PositiveInt = Field(
+        1 << 30,
+        description="A source's chunks are grouped into partitions of about this many bytes of input, each packed, "
+        "written and marked done on its own: what a killed prepare keeps, and what one index of the prepare Job "
+        "writes on Kubernetes. Decided by the data alone, never by the cores or pods. Each partition drops its last "
+        "fewer-than-seq_len tokens per split (docs/recipes.md).",
+    )
 
     @model_validator(mode="before")
     @classmethod

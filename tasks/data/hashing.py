@@ -13,7 +13,8 @@ from tasks.data import storage
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 
 # Bump when a change to reading, tokenizing or packing changes the bytes written for the same inputs.
-CODE_VERSION = "prepare-2"  # 2: files split exactly where bytes.split cuts them (self-overlapping separators)
+# 2: files split exactly where bytes.split cuts them (self-overlapping separators); 3: partitions, each packed alone
+CODE_VERSION = "prepare-3"
 
 
 def digest(obj: object, n: int = 16) -> str:
@@ -46,6 +47,7 @@ def source_key(src: SourceConfig, files: list[list], tokenizer_fp: str, data: Da
                 "hashes": data.hashes,
                 "shard_size": data.shard_size,
                 "chunk_bytes": data.chunk_bytes,
+                "partition_bytes": data.partition_bytes,
             },
             "code": CODE_VERSION,
         }

@@ -118,7 +118,7 @@ def exit_now(wait: bool = True) -> None:
     # On a line of its own: Prefect's logging may have left one unfinished.
     print(
         f"\ntessera: interrupted by {_name(signum)}: nothing partial was published; finished sources "
-        "are kept and a rerun reuses them",
+        "and partitions are kept and a rerun reuses them",
         file=sys.stderr,
     )
     with contextlib.suppress(Exception):

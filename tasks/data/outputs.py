@@ -139,6 +139,72 @@ def staging(out: str, lease) -> Iterator[str]:
             _ACTIVE.discard(tmp)
 
 
+PART_STAGING = ".tmp-"  # a partition's staging folder inside its output: .tmp-<partition>-<pid>-<random>
+
+
+def clear_partition_staging(out: str) -> None:
+    """Remove what killed runs left staged inside `out` (the caller holds its lease): never a finished partition."""
+    if not os.path.isdir(out):
+        return
+    for name in os.listdir(out):
+        path = os.path.join(os.path.abspath(out), name)
+        if name.startswith(PART_STAGING) and path not in _ACTIVE:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def partition_staging(out: str, name: str, lease) -> Iterator[str]:
+    """Yield a fresh folder for one partition: its `train`/`val` splits and `record/` (its partition.json). On
+    success each split is renamed into `<out>/<split>/<name>` and the record into `<out>/parts/<name>`, replacing
+    what a killed run left there, and the partition's done-marker is written last.
+
+    The caller holds `lease` on `out`. Nothing is renamed in after a stop request or once the lease was lost.
+    """
+    out = os.path.abspath(out)
+    with permanent_errors("cannot write prepared data"):
+        os.makedirs(out, exist_ok=True)
+        tmp = os.path.join(out, f"{PART_STAGING}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(tmp)
+    try:
+        try:
+            with permanent_errors("cannot write prepared data"):
+                yield tmp
+            interrupt.check()
+            lease.check()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with permanent_errors("cannot publish prepared data"):
+            fsync_tree(tmp)
+            marker_dir = os.path.join(out, "parts", name)
+            for staged, dest in [(os.path.join(tmp, s), os.path.join(out, s, name)) for s in ("train", "val")] + [
+                (os.path.join(tmp, "record"), marker_dir)
+            ]:
+                if os.path.exists(dest):  # unfinished (no done-marker): what a killed run left
+                    shutil.rmtree(dest)
+                if os.path.isdir(staged):
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    os.rename(staged, dest)
+                    fsync_path(os.path.dirname(dest))
+            _fault("partition-renamed")
+            write_json(os.path.join(marker_dir, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            shutil.rmtree(tmp, ignore_errors=True)
+            _fault(f"partition-{name}-done")
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+
+
+def mark_done(out: str) -> None:
+    """The output's done-marker, once every partition (each synced before its own marker), the merged indexes and
+    provenance (written atomically) are on the disk."""
+    _fault("merged")
+    with permanent_errors("cannot publish prepared data"):
+        write_json(os.path.join(out, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
 def wait_for_staging(deadline: float) -> None:
     """Wait until no staging directory of this process is being filled, or time.monotonic() passes deadline."""
     while time.monotonic() < deadline:
@@ -157,8 +223,8 @@ def remove_staging() -> None:
 
 
 def _fault(point: str) -> None:
-    # Lets the kill-and-rerun test stop the process hard at the one moment a plain SIGKILL
-    # cannot be timed: after the rename, before the done-marker.
+    # Lets the kill-and-rerun tests stop the process hard at the moments a plain SIGKILL cannot be timed: after a
+    # rename, before its done-marker; right after a given partition's marker; after the merge, before `_DONE`.
     if os.environ.get("TESSERA_FAULT") == point:
         os._exit(137)
 

@@ -6,25 +6,22 @@ wraps it as a cached Prefect task.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import dataclasses
-import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from tasks.data import claim, hashing, interrupt, outputs, parallel, storage, worker
+from tasks.data import claim, hashing, interrupt, merge, outputs, parallel, partition_run, partitions, storage
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
 from tasks.data.home import LocalHome, S3Home, home_at
-from tasks.data.mds import SplitWriter, columns
 from tasks.data.results import PreparedSource
+from tasks.data.spec import PLAN, Spec
 from tasks.data.tally import Tally
 from tasks.data.tokenizer import TokenizerInfo
-from tasks.data.units import chunk_size, group_units, plan_units
+from tasks.data.units import chunk_size, plan_units
+from trainers.format.atomic import atomic_write
 
 # Under `tessera`, which Prefect's logging setup reaches (PREFECT_LOGGING_EXTRA_LOGGERS): a warning or a
 # wait for another run then shows in the flow run's log, not only on this process's stderr.
@@ -33,6 +30,16 @@ log = logging.getLogger("tessera.data")
 # A file at least this large that a separator was meant to split, but that holds no separator at
 # all, is almost surely a wrong separator: it is worth a warning even when it fits max_doc_chars.
 UNSPLIT_WARN_BYTES = 256 << 10
+
+
+class Progress(Protocol):
+    """What a prepare reports as it goes: the source's partitions, documents and tokens, each partition done."""
+
+    def begin(self, source: str, partitions: int, reused: int) -> None: ...
+
+    def __call__(self, documents: int, tokens: int) -> None: ...
+
+    def partition(self, record: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -102,12 +109,12 @@ def is_published(p: Plan) -> bool:
 
 def cached_result(p: Plan) -> PreparedSource | None:
     if p.home.is_done():
-        return _result(p, p.home.provenance(), cached=True)
+        return result(p, p.home.provenance(), cached=True)
     prov = p.home.resume_publish(p.out)  # finished here, then its upload was cut short
-    return None if prov is None else _result(p, prov, cached=True)
+    return None if prov is None else result(p, prov, cached=True)
 
 
-def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
+def result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
     out = p.home.where
     c = prov["counts"]
     val = c["val"]
@@ -131,11 +138,9 @@ def _result(p: Plan, prov: dict, cached: bool) -> PreparedSource:
 
 
 def uses_pool(p: Plan, data: DataConfig) -> bool:
-    """Whether preparing `p` will hand parts to the process pool (see _jobs and _run), from sizes alone."""
+    """Whether preparing `p` will hand parts to the process pool (see partition_run.jobs_for), from sizes alone."""
     src = p.source
-    if (data.workers or parallel.default_workers()) <= 1 or isinstance(src, HFSource):
-        return False
-    if src.max_documents is not None or src.max_tokens is not None:
+    if (data.workers or parallel.default_workers()) <= 1 or partitions.in_order(src):
         return False
     total = sum(r.size for r in p.refs)
     # Units are cut from files at about chunk_size bytes and grouped to about that size: a source no
@@ -143,80 +148,43 @@ def uses_pool(p: Plan, data: DataConfig) -> bool:
     return total > chunk_size(total, data.chunk_bytes)
 
 
-def _jobs(p: Plan, data: DataConfig, tok: TokenizerInfo, tally: Tally) -> list[worker.Job]:
-    units = plan_units(p.source, list(p.refs), data.chunk_bytes, tally)
-    common = dict(
+def spec_for(p: Plan, data: DataConfig, tok: TokenizerInfo) -> Spec:
+    """The plan's partitions, cut from the data alone, and what preparing one needs; what planning itself finds bad
+    (an empty file, a pattern that matched nothing) is counted in its `planned` tally, or raised under fail."""
+    planned = Tally(p.source.on_error)
+    for pattern, why in p.missing.items():
+        planned.bad(pattern, why, "unreadable_path")
+    units = plan_units(p.source, list(p.refs), data.chunk_bytes, planned)
+    return Spec(
         source=p.source,
-        tokenizer_json=tok.tokenizer_json,
-        eos_id=tok.eos_token_id,
-        bos_id=tok.bos_token_id,
-        dtype=tok.dtype,
+        key=p.key,
+        packing=packing(data, tok),
+        tokenizer=tok,
+        # bytes of input per pool job: only how a partition is spread over the cores, never what it holds
+        chunk=chunk_size(sum(r.size for r in p.refs), data.chunk_bytes),
+        partitions=partitions.cut(p.source, units, data.partition_bytes),
+        planned=planned,
     )
-    src = p.source
-    # A cap must stop at the same document whatever the worker count, so capped sources run in order.
-    if src.max_documents is not None or src.max_tokens is not None or isinstance(src, HFSource):
-        return [worker.Job(units=tuple(units), **common)] if units else []
-    groups = group_units(units, chunk_size(sum(r.size for r in p.refs), data.chunk_bytes))
-    return [worker.Job(units=tuple(g), **common) for g in groups]
 
 
-def _run(jobs: list[worker.Job], workers: int, writers: dict[str, SplitWriter], progress) -> list[worker.JobResult]:
-    """Run the jobs and feed their ids to the writers in job order, so the packing is the same as
-    one process reading the whole source. A stop request ends it within one batch or one poll."""
-
-    def sink(split: str, ids) -> None:
-        interrupt.check()
-        writers[split].add(ids)
-
-    if len(jobs) <= 1 or workers <= 1:
-        return [worker.run_job(j, sink=sink, progress=progress) for j in jobs]
-    pool = parallel.pool(workers)
-    # A bounded window of jobs in flight keeps finished-but-unwritten ids from piling up.
-    pending: collections.deque = collections.deque()
-    results = []
-    todo = iter(jobs)
-    try:
-        for job in itertools.islice(todo, 2 * workers):
-            pending.append(pool.submit(worker.run_job, job))
-        while pending:
-            r = _job_result(pending.popleft())
-            for split, ids in r.ids.items():
-                if len(ids):
-                    sink(split, ids)
-            if progress is not None:  # per part: pool processes report when they hand back
-                progress(r.train.documents + r.val.documents, r.train.tokens + r.val.tokens)
-            results.append(dataclasses.replace(r, ids=None))
-            for job in itertools.islice(todo, 1):
-                pending.append(pool.submit(worker.run_job, job))
-        return results
-    finally:
-        for f in pending:
-            f.cancel()
-
-
-def _job_result(future: concurrent.futures.Future) -> worker.JobResult:
-    # Polled, not waited on: a thread blocked in result() would not notice a stop request.
-    while True:
-        interrupt.check()
-        try:
-            return future.result(timeout=0.2)
-        except concurrent.futures.TimeoutError:
-            continue
-        except concurrent.futures.process.BrokenProcessPool:
-            interrupt.check()  # the pool was terminated by a stop request
-            raise
+def packing(data: DataConfig, tok: TokenizerInfo) -> partition_run.Packing:
+    return partition_run.Packing(
+        seq_len=data.seq_len,
+        dtype=tok.dtype,
+        compression=data.compression,
+        hashes=list(data.hashes),
+        shard_size=data.shard_size,
+    )
 
 
 def prepare_source(
-    src: SourceConfig, data: DataConfig, tok: TokenizerInfo, progress: Callable[[int, int], None] | None = None
+    src: SourceConfig, data: DataConfig, tok: TokenizerInfo, progress: Progress | None = None
 ) -> PreparedSource:
     """Plan `src` and prepare it (`prepare_planned`)."""
     return prepare_planned(plan(src, data, tok), data, tok, progress)
 
 
-def prepare_planned(
-    p: Plan, data: DataConfig, tok: TokenizerInfo, progress: Callable[[int, int], None] | None = None
-) -> PreparedSource:
+def prepare_planned(p: Plan, data: DataConfig, tok: TokenizerInfo, progress: Progress | None = None) -> PreparedSource:
     """Prepare the planned source under <root>/<name>-<hash>, or return the finished output if it exists.
 
     The finished output's `_DONE` is the only cache: a deleted or unfinished output is written again.
@@ -245,126 +213,79 @@ def prepare_planned(
 
 
 def _write(
-    p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease, progress: Callable[[int, int], None] | None
+    p: Plan, data: DataConfig, tok: TokenizerInfo, held: claim.Lease, progress: Progress | None
 ) -> PreparedSource:
     src = p.source
     started = time.time()
-    tally = Tally(src.on_error)
-    for pattern, why in p.missing.items():
-        tally.bad(pattern, why, "unreadable_path")
-    workers = data.workers or parallel.default_workers()
-    with outputs.staging(p.out, held) as staging:
-        writers = {
-            split: SplitWriter(
-                os.path.join(staging, split), data.seq_len, tok.dtype, data.compression, data.hashes, data.shard_size
-            )
-            for split in ("train", "val")
-        }
-        jobs = _jobs(p, data, tok, tally)
-        results = _run(jobs, workers, writers, progress)
-        for r in results:
-            tally.add(r.tally)
-        counts = {}
-        for split, w in writers.items():
-            dropped = w.finish()
-            parts = [getattr(r, split) for r in results]
-            counts[split] = {
-                "documents": sum(c.documents for c in parts),
-                "tokens": sum(c.tokens for c in parts),
-                "samples": w.samples,
-                "tokens_written": w.samples * data.seq_len,
-                "tokens_dropped": dropped,
-            }
-        _refuse_empty(p, data, counts, tally)
-        warnings = [
-            f"source '{src.name}': {path} ({size:,} bytes) is one document: the separator "
-            f"{getattr(src, 'separator', None)!r} never occurs in it"
-            for path, size in tally.unsplit
-            if size >= UNSPLIT_WARN_BYTES
-        ]
-        for w in warnings:
-            log.warning("%s", w)
-        prov = _provenance(p, data, tok, counts, tally, results, len(jobs), warnings, started)
-        outputs.write_json(os.path.join(staging, outputs.PROVENANCE), prov)
-    log.info(
-        "source %s: wrote %d samples (%d tokens) to %s",
-        src.name,
-        counts["train"]["samples"],
-        counts["train"]["tokens_written"],
+    spec = spec_for(p, data, tok)
+    if not spec.partitions:
+        merge.refuse_empty(src.name, len(p.refs), merge.counts([], spec.planned), data, src.val_fraction)
+    with outputs.permanent_errors("cannot write prepared data"):
+        os.makedirs(p.out, exist_ok=True)
+        atomic_write(os.path.join(p.out, PLAN), spec.to_json())
+    outputs.clear_partition_staging(p.out)
+    todo = [part for part in spec.partitions if not partitions.is_done(p.out, part.index)]
+    reused = len(spec.partitions) - len(todo)
+    if reused:
+        log.info("source %s: %d of %d partitions already prepared", src.name, reused, len(spec.partitions))
+    if progress is not None:
+        progress.begin(src.name, len(spec.partitions), reused)
+    partition_run.run(
         p.out,
+        [(part, partition_run.jobs_for(src, part, spec.chunk, tok)) for part in todo],
+        packing=spec.packing,
+        workers=data.workers or parallel.default_workers(),
+        lease=held,
+        progress=progress,
+        on_done=None if progress is None else progress.partition,
+    )
+    prov = finish(
+        p,
+        data,
+        spec,
+        merge.local_reader(p.out),
+        lambda indexes, prov: merge.finish_local(p.out, indexes, prov),
+        started=started,
+        reused=reused,
     )
     if p.home.publish(p.out):
         log.info("source %s: published to %s", src.name, p.home.where)
-    return _result(p, prov, cached=False)
+    return result(p, prov, cached=False)
 
 
-def _refuse_empty(p: Plan, data: DataConfig, counts: dict, tally: Tally) -> None:
-    """An output that would train on nothing, or report no validation loss, is refused in one line."""
-    src, where = p.source, f"source '{p.source.name}'"
-    if counts["train"]["documents"] + counts["val"]["documents"] == 0:
-        raise DataError(
-            where,
-            f"no documents ({sum(tally.skipped.values())} skipped, {tally.filtered} filtered, {len(p.refs)} files)",
-        )
-    if counts["train"]["samples"] == 0:
-        raise DataError(
-            where, f"{counts['train']['tokens']} train tokens is less than one seq_len ({data.seq_len}) sample"
-        )
-    if src.val_fraction > 0 and counts["val"]["samples"] == 0:
-        # Training would silently report no validation loss for this source.
-        raise DataError(
-            where,
-            f"val_fraction={src.val_fraction} held out no validation sample "
-            f"({counts['val']['documents']} documents, {counts['val']['tokens']} tokens; "
-            f"one sample is seq_len={data.seq_len} tokens): add documents, lower "
-            "seq_len, or set val_fraction: 0",
-        )
-
-
-def _provenance(
-    p: Plan,
-    data: DataConfig,
-    tok: TokenizerInfo,
-    counts: dict,
-    tally: Tally,
-    results: list,
-    parts: int,
-    warnings: list[str],
-    started: float,
-) -> dict:
-    """What an output records of how it was made: inputs, tokenizer, packing, counts, format, code, times."""
-    return {
-        "source": p.source.model_dump(mode="json"),
-        "hash": p.key,
-        "inputs": p.files,
-        "tokenizer": tok.model_dump(mode="json"),
-        "seq_len": data.seq_len,
-        "packing": "concatenate documents, each followed by EOS (BOS first when set); no padding; "
-        "the final remainder of fewer than seq_len tokens per split is dropped",
-        "counts": {
-            **counts,
-            "documents": counts["train"]["documents"] + counts["val"]["documents"],
-            "tokens": counts["train"]["tokens"] + counts["val"]["tokens"],
-            "skipped_total": sum(tally.skipped.values()),
-            "skipped": dict(sorted(tally.skipped.items())),
-            "filtered": tally.filtered,
-            "truncated": tally.truncated,
-            "capped": any(r.capped for r in results),
-        },
-        "warnings": warnings,
-        "format": {
-            "columns": columns(tok.dtype, data.seq_len),
-            "compression": data.compression,
-            "hashes": list(data.hashes),
-            "units": sum(r.units for r in results),
-            "parts": parts,
-        },
-        "code_version": hashing.CODE_VERSION,
-        "git_sha": hashing.git_sha(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "seconds": round(time.time() - started, 3),
-    }
+def finish(p: Plan, data: DataConfig, spec: Spec, read: merge.Read, publish, *, started: float, reused: int) -> dict:
+    """Every partition of the plan is done where `read` reads the output: merge the splits' indexes and write them
+    with provenance through `publish(indexes, provenance)`, which writes the output's `_DONE` last. Its provenance."""
+    src = p.source
+    n = len(spec.partitions)
+    recs = merge.records(read, n)
+    counts = merge.counts(recs, spec.planned)
+    merge.refuse_empty(src.name, len(p.refs), counts, data, src.val_fraction)
+    warnings = merge.unsplit_warnings(src.name, getattr(src, "separator", None), recs, UNSPLIT_WARN_BYTES)
+    for w in warnings:
+        log.warning("%s", w)
+    prov = merge.provenance(
+        source=src.model_dump(mode="json"),
+        key=p.key,
+        inputs=p.files,
+        data=data,
+        tok=spec.tokenizer,
+        recs=recs,
+        counts=counts,
+        warnings=warnings,
+        started=started,
+        reused=reused,
+    )
+    publish(merge.split_indexes(read, n), prov)
+    log.info(
+        "source %s: %d samples (%d tokens) in %d partitions at %s",
+        src.name,
+        counts["train"]["samples"],
+        counts["train"]["tokens_written"],
+        n,
+        p.home.where,
+    )
+    return prov
 
 
 __all__ = ["Plan", "plan", "prepare_source", "cached_result"]

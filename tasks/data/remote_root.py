@@ -21,6 +21,10 @@ from trainers.format.s3 import DONE
 PROVENANCE = "provenance.json"
 
 
+class BucketError(DataError):
+    """The bucket did not answer as asked (a read, a listing, an upload): unlike bad input, a retry may succeed."""
+
+
 def is_remote(root: str) -> bool:
     return storage.is_s3(root)
 
@@ -65,3 +69,64 @@ def publish(local: str, uri: str) -> None:
     except s3.StoreError as exc:
         cause = exc.__cause__
         raise DataError(uri, f"cannot upload prepared data ({type(cause).__name__}: {cause})") from exc
+
+
+def reader(uri: str):
+    """An output's files in the bucket by relative path (tasks.data.merge.Read): their bytes, or None if absent."""
+    bucket, key = _key(uri)
+    client = storage._s3_client()
+
+    def read(rel: str) -> bytes | None:
+        try:
+            return client.get_object(Bucket=bucket, Key=f"{key}/{rel}")["Body"].read()
+        except Exception as exc:  # botocore's types vary; anything but "not found" is an error to report
+            if s3.is_missing(exc):
+                return None
+            raise BucketError(f"{uri}/{rel}", f"cannot read the data root ({exc})") from exc
+
+    return read
+
+
+def put(uri: str, rel: str, body: bytes) -> None:
+    bucket, key = _key(uri)
+    try:
+        storage._s3_client().put_object(Bucket=bucket, Key=f"{key}/{rel}", Body=body)
+    except Exception as exc:  # boto3 raises many types; all mean the bucket cannot take it
+        raise BucketError(f"{uri}/{rel}", f"cannot upload prepared data ({type(exc).__name__}: {exc})") from exc
+
+
+def partitions_done(uri: str) -> set[int]:
+    """The partitions of the output at `uri` whose done-marker is in the bucket: one listing."""
+    bucket, key = _key(uri)
+    try:
+        pages = storage._s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/parts/")
+        names = [o["Key"][len(key) + len("/parts/") :] for page in pages for o in page.get("Contents", [])]
+    except Exception as exc:  # botocore's types vary; each one means "cannot list"
+        raise BucketError(uri, f"cannot read the data root ({exc})") from exc
+    return {int(n.split("/")[0]) for n in names if n.endswith(f"/{DONE}") and n.split("/")[0].isdigit()}
+
+
+def publish_partition(local_out: str, uri: str, folder: str) -> None:
+    """Upload one partition a pod prepared in its working copy: its splits' files and its record, then its
+    done-marker, so the bucket never shows a partition done before its shards are there."""
+    bucket, key = _key(uri)
+    client = storage._s3_client()
+    files = []
+    for sub in (f"train/{folder}", f"val/{folder}", f"parts/{folder}"):
+        base = os.path.join(local_out, sub)
+        for dirpath, _, names in os.walk(base):
+            files += [os.path.join(dirpath, n) for n in sorted(names)]
+    marker = os.path.join(local_out, "parts", folder, DONE)
+    try:
+        for path in sorted(f for f in files if f != marker) + [marker]:
+            client.upload_file(path, bucket, f"{key}/{os.path.relpath(path, local_out)}")
+    except Exception as exc:  # boto3 raises many types; all mean the bucket cannot take the partition
+        raise BucketError(uri, f"cannot upload partition {folder} ({type(exc).__name__}: {exc})") from exc
+
+
+def finish(uri: str, indexes: dict[str, bytes], provenance: dict) -> None:
+    """Write an output's merged indexes and provenance into the bucket, then its done-marker."""
+    for split, raw in indexes.items():
+        put(uri, f"{split}/index.json", raw)
+    put(uri, PROVENANCE, json.dumps(provenance, indent=2, sort_keys=True).encode())
+    put(uri, DONE, json.dumps({"finished": provenance["finished"]}).encode())
