@@ -159,14 +159,8 @@ def _render_prepare(recipe, recipe_path: str, run: str, attempt: int) -> int:
     """The prepare Job `tessera prepare` would submit: planned from the sources when this machine reads them."""
     from infra.k8s_views import render_prepare
     from tasks.data.cluster import pod_command, preview
-    from tasks.data.errors import DataError
-    from tasks.data.tokenizer import peek
 
-    try:
-        tok = peek(recipe.data.tokenizer)
-    except DataError:
-        tok = None
-    job = preview(recipe.data, tok)
+    job = preview(recipe.data)
     if job.unread is None:
         print(f"# tessera: from {recipe_path}: {job.completions} partitions left to prepare, planned from the data")
     else:

@@ -24,7 +24,17 @@ from tasks.data import merge, remote_root
 from tasks.data.config import DataConfig
 from tasks.data.errors import DataError
 from tasks.data.partitions import folder
-from tasks.data.pipeline import Plan, Progress, cached_result, finish, plan, result, spec_for
+from tasks.data.pipeline import (
+    Plan,
+    Progress,
+    cached_result,
+    cut,
+    finish,
+    plan_keyed,
+    result,
+    spec_for,
+    tokenizer_key,
+)
 from tasks.data.results import PreparedSource
 from tasks.data.spec import JOBS, PLAN, Spec, index_file
 from tasks.data.tokenizer import TokenizerInfo
@@ -64,28 +74,26 @@ class Preview:
     unread: str | None  # why the sources could not be planned here (placeholders stand in), or None
 
 
-def preview(data: DataConfig, tok: TokenizerInfo | None) -> Preview:
+def preview(data: DataConfig) -> Preview:
     """What `tessera k8s render --prepare` prints: the partitions left to prepare, planned from the data as the flow
-    plans them, when this machine can read the sources and the tokenizer is known; else one index and the key's
-    placeholder, saying why."""
+    plans them, when this machine can read the sources; else one index and the key's placeholder, saying why."""
     fail_fast = any(src.on_error == "fail" for src in data.sources)
     root = data.root.rstrip("/")
     try:
-        if tok is None:
-            raise DataError("data.tokenizer.train", "a trained tokenizer's ids exist only once `tessera prepare` ran")
+        key = tokenizer_key(data)
         entries = []
         for src in data.sources:
-            p = plan(src, data, tok)
+            p = plan_keyed(src, data, key)
             if p.home.is_done():
                 continue
-            spec = spec_for(p, data, tok)
+            parts, _ = cut(p, data)
             done = remote_root.partitions_done(p.home.where) if remote_root.is_remote(root) else set()
-            entries += [(p.home.where, k) for k in range(len(spec.partitions)) if k not in done]
+            entries += [(p.home.where, k) for k in range(len(parts)) if k not in done]
     except Exception as exc:  # noqa: BLE001 -- anything that stops planning here (no bucket, no credentials) is said
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return Preview(f"{root}/{JOBS}/{KEY_PLACEHOLDER}.json", KEY_PLACEHOLDER, 1, fail_fast, why)
-    key = index_file(entries)[0]
-    return Preview(f"{root}/{JOBS}/{key}.json", key, max(len(entries), 1), fail_fast, None)
+    index_key = index_file(entries)[0]
+    return Preview(f"{root}/{JOBS}/{index_key}.json", index_key, max(len(entries), 1), fail_fast, None)
 
 
 def plan_outputs(plans: list[Plan], data: DataConfig, tok: TokenizerInfo) -> tuple[dict, dict[str, _Output]]:
@@ -119,6 +127,7 @@ def prepare(
     progress: dict[str, Progress] | None = None,
     relay: Callable[[str], None] = log.info,
     poll_s: float = 5.0,
+    backend=None,
 ) -> dict[str, PreparedSource]:
     """Prepare every planned source on the cluster (the tokenizer already published: `tok.uri`); results by name."""
     if tok.uri is None:
@@ -129,22 +138,47 @@ def prepare(
     for name, o in todo.items():
         if name in progress:
             progress[name].begin(name, len(o.spec.partitions), len(o.done))
-    entries = [(o.plan.home.where, k) for o in todo.values() for k in range(len(o.spec.partitions)) if k not in o.done]
-    if entries:
-        key, body = index_file(entries)
-        root = data.root.rstrip("/")
-        remote_root.put(root, f"{JOBS}/{key}.json", body)
+    index_uri = write_index(data, todo)
+    if index_uri is not None:
+        entries = index_entries(todo)
         fail_fast = any(o.plan.source.on_error == "fail" for o in todo.values())
-        job = backend_for(compute).launch_prepare(
-            pod_command(f"{root}/{JOBS}/{key}.json"),
+        job = (backend or backend_for(compute)).launch_prepare(
+            pod_command(index_uri),
             run=run,
-            key=key,
+            key=_key_of(index_uri),
             completions=len(entries),
             fail_fast=fail_fast,
             log_dir=log_dir,
         )
         relay(f"prepare Job for {len(entries)} partitions of {len(todo)} sources: {job.kind} {job.name}")
         _follow(job, todo, progress, relay, poll_s)
+    results.update(merge_outputs(todo, data, started))
+    return {p.source.name: results[p.source.name] for p in plans}
+
+
+def index_entries(todo: dict[str, _Output]) -> list[tuple[str, int]]:
+    """The Job's indexes: every (output, partition) not yet done, sources in recipe order, partitions in order."""
+    return [(o.plan.home.where, k) for o in todo.values() for k in range(len(o.spec.partitions)) if k not in o.done]
+
+
+def write_index(data: DataConfig, todo: dict[str, _Output]) -> str | None:
+    """Write the Job's index file into the bucket; its URI, or None when no partition is left to prepare."""
+    entries = index_entries(todo)
+    if not entries:
+        return None
+    key, body = index_file(entries)
+    root = data.root.rstrip("/")
+    remote_root.put(root, f"{JOBS}/{key}.json", body)
+    return f"{root}/{JOBS}/{key}.json"
+
+
+def _key_of(index_uri: str) -> str:
+    return index_uri.rsplit("/", 1)[1].removesuffix(".json")
+
+
+def merge_outputs(todo: dict[str, _Output], data: DataConfig, started: float) -> dict[str, PreparedSource]:
+    """Every index has succeeded: each output's indexes merged and provenance written in the bucket, `_DONE` last."""
+    results = {}
     for name, o in todo.items():
         uri = o.plan.home.where
         prov = finish(
@@ -157,7 +191,7 @@ def prepare(
             reused=len(o.done),
         )
         results[name] = result(o.plan, prov, cached=False)
-    return {p.source.name: results[p.source.name] for p in plans}
+    return results
 
 
 def _follow(job, todo: dict[str, _Output], progress: dict[str, Progress], relay, poll_s: float) -> None:
@@ -180,6 +214,7 @@ def _follow(job, todo: dict[str, _Output], progress: dict[str, Progress], relay,
         raise
     for line in job.new_output():
         relay(line)
+    job.cancel(grace_s=1)  # ended: the Job and its pods go (their output is in the local log), as a stage's do
     if code == 0:
         return
     said = [ln[len(ERROR_PREFIX) :] for ln in job.tail().splitlines() if ln.startswith(ERROR_PREFIX)]
@@ -206,4 +241,13 @@ def _where_what(line: str) -> tuple[str, str]:
     return (where, what) if sep else (line, "bad input")
 
 
-__all__ = ["PrepareJobFailed", "Preview", "plan_outputs", "pod_command", "prepare", "preview"]
+__all__ = [
+    "PrepareJobFailed",
+    "Preview",
+    "merge_outputs",
+    "plan_outputs",
+    "pod_command",
+    "prepare",
+    "preview",
+    "write_index",
+]

@@ -83,11 +83,23 @@ def all_prepared(data: DataConfig) -> bool:
         tok_dir = tokenizer.output_dir(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
         if not outputs.is_done(tok_dir):
             return False
-        key = os.path.basename(tok_dir).removeprefix("tokenizer-")
-        plans = [_plan(src, data, key) for src in data.sources]
+        plans = [_plan(src, data, tokenizer_key(data)) for src in data.sources]
         return all(p.home.is_done() for p in plans)
     except (DataError, OSError):
         return False  # the flow will say what is wrong
+
+
+def plan_keyed(src: SourceConfig, data: DataConfig, tokenizer_key: str) -> Plan:
+    """`plan` from the tokenizer's key alone (its folder's hash): nothing of the tokenizer is loaded."""
+    return _plan(src, data, tokenizer_key)
+
+
+def tokenizer_key(data: DataConfig) -> str:
+    """The key the prepare stage names the tokenizer's folder with, and every output's hash covers."""
+    from tasks.data import tokenizer
+
+    tok_dir = tokenizer.output_dir(data.tokenizer, data.local_root, data.sources, data.chunk_bytes)
+    return os.path.basename(tok_dir).removeprefix("tokenizer-")
 
 
 def _plan(src: SourceConfig, data: DataConfig, tokenizer_key: str) -> Plan:
@@ -148,13 +160,19 @@ def uses_pool(p: Plan, data: DataConfig) -> bool:
     return total > chunk_size(total, data.chunk_bytes)
 
 
-def spec_for(p: Plan, data: DataConfig, tok: TokenizerInfo) -> Spec:
-    """The plan's partitions, cut from the data alone, and what preparing one needs; what planning itself finds bad
-    (an empty file, a pattern that matched nothing) is counted in its `planned` tally, or raised under fail."""
+def cut(p: Plan, data: DataConfig) -> tuple[list[partitions.Partition], Tally]:
+    """The plan's partitions, cut from the data alone, and what planning itself finds bad (an empty file, a pattern
+    that matched nothing): counted in the tally, or raised under on_error: fail."""
     planned = Tally(p.source.on_error)
     for pattern, why in p.missing.items():
         planned.bad(pattern, why, "unreadable_path")
     units = plan_units(p.source, list(p.refs), data.chunk_bytes, planned)
+    return partitions.cut(p.source, units, data.partition_bytes), planned
+
+
+def spec_for(p: Plan, data: DataConfig, tok: TokenizerInfo) -> Spec:
+    """The plan's partitions and what preparing one of them needs."""
+    parts, planned = cut(p, data)
     return Spec(
         source=p.source,
         key=p.key,
@@ -162,7 +180,7 @@ def spec_for(p: Plan, data: DataConfig, tok: TokenizerInfo) -> Spec:
         tokenizer=tok,
         # bytes of input per pool job: only how a partition is spread over the cores, never what it holds
         chunk=chunk_size(sum(r.size for r in p.refs), data.chunk_bytes),
-        partitions=partitions.cut(p.source, units, data.partition_bytes),
+        partitions=parts,
         planned=planned,
     )
 

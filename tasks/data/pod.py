@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from infra.prepare_job import WORKERS_ENV  # the prepare pod's cores, set from its cpu request
 from tasks.data import parallel, partition_run, remote_root
 from tasks.data.errors import DataError
 from tasks.data.partitions import folder
@@ -28,7 +29,6 @@ from trainers.contract import FATAL, RETRYABLE
 from trainers.format.s3 import StoreError, fetch_folder
 
 INDEX_ENV = "JOB_COMPLETION_INDEX"
-WORK_ENV = "TESSERA_PREPARE_WORK"  # the pod's scratch volume; a temporary folder elsewhere
 
 
 class _OwnFolder:
@@ -81,19 +81,20 @@ def prepare_index(index_file: str, index: int, work: Path, workers: int | None =
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tasks.data.pod", description=__doc__.splitlines()[0])
     ap.add_argument("index_file", help="s3:// URI of the prepare Job's index file")
-    ap.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    ap.add_argument(
+        "--workers", type=int, default=None, help=f"tokenizer processes (default: ${WORKERS_ENV}, else every core)"
+    )
     args = ap.parse_args(argv)
     try:
         index = int(os.environ[INDEX_ENV])
     except (KeyError, ValueError):
         print(f"tessera: error: {INDEX_ENV} must name this pod's index (an Indexed Job sets it)", file=sys.stderr)
         return FATAL
-    scratch = os.environ.get(WORK_ENV)
-    if scratch:
-        os.makedirs(scratch, exist_ok=True)
+    workers = args.workers or int(os.environ.get(WORKERS_ENV) or 0) or None
     try:
-        with tempfile.TemporaryDirectory(prefix="tessera-prepare-", dir=scratch or None) as work:
-            print(prepare_index(args.index_file, index, Path(work), args.workers), flush=True)
+        # TMPDIR: the pod's scratch volume (infra/prepare_job.py), never its small root filesystem
+        with tempfile.TemporaryDirectory(prefix="tessera-prepare-") as work:
+            print(prepare_index(args.index_file, index, Path(work), workers), flush=True)
     except remote_root.BucketError as exc:  # the index's retry (backoffLimitPerIndex) may find the bucket well
         print(f"tessera: error: {exc}", file=sys.stderr, flush=True)
         return RETRYABLE
