@@ -63,7 +63,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Where a run's wall time went: its goodput ledger, from the run's own files."""
+    """Where a recipe's prepared data stands and where a run's wall time went (its goodput ledger), from files."""
     from tasks.recipe import RecipeError, load_recipe, run_folder
     from tasks.training.goodput import BUCKETS, WORDS, for_job
     from tasks.training.train import TrainJob
@@ -76,6 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     goodput = for_job(run_dir, TrainJob.model_validate_json(job_file.read_text()))
     if not goodput.launches:
         print(f"run {args.run}: no launch recorded yet")
+        _print_prepared(recipe.data)
         return 0
     print(
         f"run {args.run}: goodput {goodput.ratio:.1%} over {goodput.wall_s:,.0f} s of wall time, "
@@ -88,7 +89,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     for stage, buckets in goodput.stages.items():
         wall = sum(buckets.values())
         print(f"  stage {stage}: {buckets['productive'] / wall if wall else 0:.1%} productive of {wall:,.0f} s")
+    _print_prepared(recipe.data)
     return 0
+
+
+def _print_prepared(data) -> None:
+    """Where the recipe's prepared data stands: each output done, or how many partitions a rerun skips."""
+    from tasks.data.errors import DataError
+    from tasks.data.pipeline import output_states
+
+    print("prepared data:")
+    try:
+        for line in output_states(data):
+            print(f"  {line}")
+    except DataError as exc:
+        print(f"  cannot tell: {exc}")
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

@@ -111,12 +111,18 @@ def test_a_prepare_killed_after_some_partitions_redoes_only_the_rest_byte_for_by
     assert [partitions.is_done(out, k) for k in range(N)] == [k < reused for k in range(N)]
     assert not outputs.is_done(out)
     kept = {k: os.stat(partitions.split_dir(out, "train", k)).st_ino for k in range(reused)}
+    # `tessera status` says it, from the files alone
+    assert pipeline.output_states(data) == [
+        f"source s: not prepared yet: {reused} of {N} partitions done at {out}; a rerun skips those {reused}"
+    ]
     with caplog.at_level(logging.INFO, logger="tessera.data"):
         res = _prepare(data)
     assert f"source s: {reused} of {N} partitions already prepared" in caplog.text
     assert shards_and_indexes(res.root) == ref_files
     assert {k: os.stat(partitions.split_dir(out, "train", k)).st_ino for k in range(reused)} == kept
     assert prov(res.root)["partitions_reused"] == reused
+    (said,) = pipeline.output_states(data)
+    assert said.startswith(f"source s: prepared at {out}: {N} partitions ({reused} reused from an earlier prepare), ")
 
 
 def test_a_partition_whose_marker_is_missing_is_written_again(tmp_path, corpus, reference):

@@ -124,7 +124,13 @@ def test_tessera_status_prints_the_ledger_and_names_an_unknown_run_in_one_line(t
     assert lines[0] == "run r: goodput 62.5% over 200 s of wall time, 2 launch(es), 4,096 tokens"
     assert lines[1].split() == ["productive", "training", "(steps", "a", "checkpoint", "kept)", "125.0", "s", "62.5%"]
     assert any(line.split()[:2] == ["lost:", "steps"] and line.split()[-2:] == ["s", "20.0%"] for line in lines)
-    assert lines[-1] == "  stage s: 62.5% productive of 200 s"
+    assert lines[lines.index("prepared data:") - 1] == "  stage s: 62.5% productive of 200 s"
+    # then the recipe's data, from its files: this run's recipe names data never prepared in its data root
+    data = lines[lines.index("prepared data:") + 1 :]
+    assert [line.split(": not prepared yet: 0 partitions done at ")[0] for line in data] == [
+        "  source literary",
+        "  source stories",
+    ], data
     missing = subprocess.run([*cli, "nope", "--recipe", str(recipe)], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.strip().splitlines() == [

@@ -6,13 +6,25 @@ wraps it as a cached Prefect task.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from tasks.data import claim, hashing, interrupt, merge, outputs, parallel, partition_run, partitions, storage
+from tasks.data import (
+    claim,
+    hashing,
+    interrupt,
+    merge,
+    outputs,
+    parallel,
+    partition_run,
+    partitions,
+    remote_root,
+    storage,
+)
 from tasks.data.config import DataConfig, HFSource, SourceConfig
 from tasks.data.errors import DataError
 from tasks.data.home import LocalHome, S3Home, home_at
@@ -307,3 +319,39 @@ def finish(p: Plan, data: DataConfig, spec: Spec, read: merge.Read, publish, *, 
 
 
 __all__ = ["Plan", "plan", "prepare_source", "cached_result"]
+
+
+def output_states(data: DataConfig) -> list[str]:
+    """One line per source of `data` on where its output stands, from metadata alone (for `tessera status`): done,
+    with its partitions and how many its last prepare reused; or how many partitions a rerun would skip."""
+    key = tokenizer_key(data)
+    lines = []
+    for src in data.sources:
+        p = plan_keyed(src, data, key)
+        if p.home.is_done():
+            prov = p.home.provenance()
+            n = prov.get("format", {}).get("partitions", 1)
+            lines.append(
+                f"source {src.name}: prepared at {p.home.where}: {n} partitions "
+                f"({prov.get('partitions_reused', 0)} reused from an earlier prepare), "
+                f"{prov['counts']['train']['tokens_written']:,} train tokens"
+            )
+            continue
+        total = _planned_partitions(p)
+        done = {k for k in range(total or 0) if partitions.is_done(p.out, k)}
+        if isinstance(p.home, S3Home):
+            done |= remote_root.partitions_done(p.home.where)
+        of = f" of {total}" if total is not None else ""
+        lines.append(
+            f"source {src.name}: not prepared yet: {len(done)}{of} partitions done at {p.home.where}; "
+            f"a rerun skips those {len(done)}"
+        )
+    return lines
+
+
+def _planned_partitions(p: Plan) -> int | None:
+    """How many partitions the output's plan file (written before any partition) says it has, where one is."""
+    raw = merge.local_reader(p.out)(PLAN)
+    if raw is None and isinstance(p.home, S3Home):
+        raw = remote_root.reader(p.home.where)(PLAN)
+    return None if raw is None else len(json.loads(raw)["partitions"])
