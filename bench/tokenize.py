@@ -1,4 +1,5 @@
-"""Tokenizer throughput: raw `Tokenizer.encode_batch` (the anchor) against tessera's prepare stage.
+"""Tokenizer throughput: raw `Tokenizer.encode_batch` (the anchor) against tessera's prepare stage, and the
+partitioned prepare against the whole-source pool (one partition: the prepare before partitions) in the same run.
 
 Builds a corpus of at least --mb MB by repeating and varying ../shared/data text, then in one run:
   1. the anchor: `Tokenizer.encode_batch` over the corpus's documents, on all cores (tokenizers'
@@ -7,6 +8,11 @@ Builds a corpus of at least --mb MB by repeating and varying ../shared/data text
   2. the `prepare_sources` Prefect flow end to end (reading, tokenizing in a process pool, packing,
      MDS writing, merging, provenance), timed after a warm-up run on a tiny corpus that pays the
      fixed start-up (Prefect's temporary API server, imports, spawning the pool), reported apart.
+  3. the same flow with the source cut into PARTITIONS partitions (data.partition_bytes), against (2) with one
+     partition, the whole source through the pool as before partitions existed: `partition_ratio` =
+     partitioned rate / whole-source rate (goal >= 0.95: partitions cost nothing), each run REPEAT_LARGE times,
+     interleaved, fastest kept; and `tokens_per_s_per_core` of the partitioned prepare, the rate the recipes'
+     time figures come from.
 Prints `ratio` = (2)/(1) and the peak RSS of the prepare stage (parent plus its children, sampled).
 
 The small-corpus case (`--case small`, also part of the default `all`) is what a user of
@@ -144,7 +150,7 @@ class RssSampler:
         self._thread.join()
 
 
-def config(root: Path, paths: list[str], seq_len: int, workers: int | None):
+def config(root: Path, paths: list[str], seq_len: int, workers: int | None, partition_bytes: int = 1 << 30):
     from tasks.data.config import DataConfig
 
     return DataConfig.model_validate(
@@ -152,10 +158,15 @@ def config(root: Path, paths: list[str], seq_len: int, workers: int | None):
             "root": str(root),
             "seq_len": seq_len,
             "workers": workers,
+            "partition_bytes": partition_bytes,
             "tokenizer": {"path": str(TOKENIZER)},
             "sources": [{"name": "bench", "paths": paths, "separator": "\n\n"}],
         }
     )
+
+
+PARTITIONS = 8
+REPEAT_LARGE = 2
 
 
 SMALL_SOURCES = 4
@@ -290,10 +301,21 @@ def main() -> None:
             ready.result()
         startup = time.perf_counter() - t0
 
+        whole_bytes = 2 * corpus_bytes  # one partition: the whole source through the pool
+        part_bytes = -(-corpus_bytes // PARTITIONS)
+        runs: dict[str, list[float]] = {"whole": [], "partitioned": []}
         with RssSampler() as rss:
-            t0 = time.perf_counter()
-            prepared = prepare_sources(config(work / "data", [str(p) for p in corpus], args.seq_len, workers))
-            p_seconds = time.perf_counter() - t0
+            for i in range(REPEAT_LARGE):
+                for kind, size in (("whole", whole_bytes), ("partitioned", part_bytes)):
+                    cfg = config(work / f"data-{kind}-{i}", [str(p) for p in corpus], args.seq_len, workers, size)
+                    t0 = time.perf_counter()
+                    out = prepare_sources(cfg)
+                    runs[kind].append(time.perf_counter() - t0)
+                    if kind == "whole":
+                        prepared = out
+                    else:
+                        parted = out
+        p_seconds, q_seconds = min(runs["whole"]), min(runs["partitioned"])
         # Measured again after, and averaged: on a shared machine the load drifts during the run.
         a_after = anchor(corpus)[0]
         a_seconds = (a_before + a_after) / 2
@@ -303,10 +325,21 @@ def main() -> None:
         # Compare like with like: tokenizer output only, without the EOS ids packing adds.
         p_tokens = counts["tokens"] - counts["documents"]
         assert p_tokens == a_tokens and counts["documents"] == a_docs, (p_tokens, a_tokens)
+        q_prov = outputs.read_provenance(parted.sources["bench"].root)
+        assert q_prov["counts"]["documents"] == counts["documents"]
+        assert q_prov["format"]["partitions"] == PARTITIONS, q_prov["format"]
         a_rate, p_rate = a_tokens / a_seconds, p_tokens / p_seconds
+        q_rate = (q_prov["counts"]["tokens"] - q_prov["counts"]["documents"]) / q_seconds
         children_max = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         result = {
             "bench": "tokenize",
+            "partition_ratio": round(q_rate / p_rate, 3),
+            "partitioned_tokens_per_s": round(q_rate),
+            "tokens_per_s_per_core": round(q_rate / workers),
+            "partitions": PARTITIONS,
+            "partitioned_s": round(q_seconds, 2),
+            "whole_source_s": round(p_seconds, 2),
+            "runs_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
             "ratio": round(p_rate / a_rate, 3),
             "anchor_tokens_per_s": round(a_rate),
             "prepare_tokens_per_s": round(p_rate),
@@ -329,6 +362,7 @@ def main() -> None:
         }
         print(f"anchor   encode_batch: {a_rate:,.0f} tokens/s ({a_seconds:.1f}s)")
         print(f"tessera  prepare_sources: {p_rate:,.0f} tokens/s ({p_seconds:.1f}s; start-up {startup:.1f}s apart)")
+        print(f"tessera  in {PARTITIONS} partitions: {q_rate:,.0f} tokens/s ({q_seconds:.1f}s): x{q_rate / p_rate:.3f}")
         print(json.dumps(result))
     finally:
         from tasks.data import parallel

@@ -282,3 +282,38 @@ def test_the_7b_recipe_keeps_its_pods_off_nodes_labelled_slow(tmp_path, capsys):
     assert required == {
         "nodeSelectorTerms": [{"matchExpressions": [{"key": "tessera.dev/avoid", "operator": "DoesNotExist"}]}]
     }
+
+
+@pytest.mark.parametrize("name", sorted(ON_KUBERNETES))
+def test_k8s_render_prepare_on_a_fresh_checkout_gives_the_recipes_cpu_job(name, tmp_path, capsys, monkeypatch):
+    """The prepare Job from the recipe alone, its sources out of reach (an endpoint where nothing listens): valid for
+    both schemas, on the recipe's own CPU nodes and resources with no GPU, the index file's key a placeholder."""
+    for var, value in {
+        "S3_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing listens: refused at once, nothing leaves this machine
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(var, value)
+    raw = yaml.safe_load(RECIPES[name].read_text())
+    raw["work_dir"] = str(tmp_path / "work")
+    fresh = tmp_path / f"{name}.yaml"
+    fresh.write_text(yaml.safe_dump(raw))
+    prep = _load(name).compute.kubernetes.prepare
+    assert prep.pods > 1 and prep.cpu and prep.memory and prep.node_selector  # the recipes state them
+    assert main(["k8s", "render", str(fresh), "--prepare"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"# tessera: from {fresh} alone: the sources could not be planned here (")
+    (job,) = [d for d in yaml.safe_load_all(out) if d]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"][-1] == "s3://my-bucket/tessera/data/.prepare/{prepare-key}.json"
+    assert container["resources"] == {
+        "requests": {"cpu": prep.cpu, "memory": prep.memory},
+        "limits": {"memory": prep.memory},
+    }
+    assert pod["nodeSelector"] == prep.node_selector
+    assert job["spec"]["backoffLimitPerIndex"] == prep.backoff_limit_per_index
