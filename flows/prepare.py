@@ -138,5 +138,6 @@ def prepare_data(params: PrepareParams) -> RecipeData:
     """Tokenize every source a recipe trains on, at every seq_len its stages use; finished outputs are skipped."""
     from tasks.recipe import load_recipe
 
+    prepare_tasks.allow_launches()  # an earlier flow run in this same process may have stopped its jobs
     recipe = load_recipe(params.recipe)
     return prepare_recipe_data(recipe.data, recipe.train.stages, recipe.name, recipe.compute)

@@ -18,6 +18,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
+from infra import allow_launches
 from infra.config import ComputeConfig
 from tasks.data import cluster, mds, parallel, pipeline, remote_root
 from tasks.data import tokenizer as tokenizers_
@@ -219,7 +220,12 @@ def warm_up(data: DataConfig) -> None:
 __all__ = [
     "ComputeConfig",
     "SourceProgress",
+    "allow_launches",
+    "plan_sources",
     "prepare_on_cluster",
+    "prepare_source",
+    "prepare_tokenizer",
     "progress_bars",
+    "publish_tokenizer",
     "warm_up",
-]  # ComputeConfig: for flows, which never import infra
+]  # ComputeConfig, allow_launches: for flows, which never import infra

@@ -392,6 +392,16 @@ def live_stack(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def launches_allowed():
+    """Each test may launch: a flow run in this worker that failed earlier stopped the process's launches
+    (infra.lifecycle.cancel_all, as a failed flow must), which only the next pipeline flow run would allow again."""
+    from infra import allow_launches
+
+    allow_launches()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def isolated_mlflow_globals(request):
     """Each test starts with MLflow's process-wide tracking and registry URIs unset, and leaves them so.
 

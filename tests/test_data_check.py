@@ -108,7 +108,7 @@ def test_an_outputs_home_on_a_local_and_an_s3_root_publishes_withdraws_and_resum
     """The two faces of tasks/data/home.py on a real (moto) S3 server: the bucket's copy is the truth under an s3
     root, an upload cut short is finished from the working copy unless that is damaged too, and a damaged output's
     done-marker is withdrawn where training reads it (the stage task's path, `home_at(folder).withdraw()`)."""
-    from tasks.data import outputs
+    from tasks.data import outputs, remote_root
     from tasks.data.home import LocalHome, S3Home, home_at
 
     local = tmp_path / "books-0123"
@@ -137,6 +137,17 @@ def test_an_outputs_home_on_a_local_and_an_s3_root_publishes_withdraws_and_resum
     shard.write_bytes(b"\0" + shard.read_bytes()[1:])
     assert home.resume_publish(str(local)) is None and not home.is_done() and not here.is_done()
     assert here.withdraw() is False  # already withdrawn by the resume
+
+    # partitioned: the damaged shard's partition loses its marker with the output, on both faces
+    for part in ("00002", "00003"):
+        (local / "parts" / part).mkdir(parents=True)
+        (local / "parts" / part / outputs.DONE).write_text("{}")
+        moto_s3.put_object(Bucket="data", Key=f"prepared/books-0123/parts/{part}/_DONE", Body=b"{}")
+    (local / outputs.DONE).write_text("{}")
+    moto_s3.put_object(Bucket="data", Key="prepared/books-0123/_DONE", Body=b"{}")
+    assert here.withdraw("00003/shard.00000.mds") and home.withdraw("00003/shard.00000.mds")
+    assert sorted(p.parent.name for p in local.glob("parts/*/_DONE")) == ["00002"]
+    assert remote_root.partitions_done(uri.rstrip("/")) == {2} and not home.is_done() and not here.is_done()
 
 
 def test_damage_in_the_bucket_is_named_when_streaming_validates_the_download(tmp_path, moto_s3, monkeypatch):
@@ -219,7 +230,8 @@ def test_a_damaged_shard_stops_the_run_in_one_line_and_a_rerun_prepares_it_again
     samples = _shards(train)[0]["samples"]
     assert code == 2 and len(said) == 1, said
     assert said[0].startswith(
-        f"tessera: error: stage literary: prepared data of source literary is damaged: shard {shard.name} "
+        f"tessera: error: stage literary: prepared data of source literary is damaged: shard "
+        f"{_shards(train)[0]['raw_data']['basename']} "
         f"(samples 0-{samples - 1:,}) in {train} has xxh64 "
     )
     assert said[0].endswith(
@@ -227,6 +239,7 @@ def test_a_damaged_shard_stops_the_run_in_one_line_and_a_rerun_prepares_it_again
         f"`tessera prepare {recipe}` prepares it again (and a rerun of this run does, before it resumes)"
     )
     assert not (out / "_DONE").exists()
+    assert not (out / "parts" / "00000" / "_DONE").exists()  # the damaged partition's too: the rerun rewrites it
     checkpoints = tmp_path / "work" / "runs" / "tiny" / "checkpoints"
     assert list_complete(checkpoints) == []  # stopped before a step
 

@@ -28,9 +28,10 @@ def _setup(tmp_path, copies: int):
 
 
 def _foreign_run(out: str, heartbeat_age_s: float) -> str:
-    """What a run on another host leaves on the shared root: its staging (a pid meaningless here) and lease."""
+    """What a run on another host leaves on the shared root: a partition's staging (a pid meaningless here) inside
+    the output, and the output's lease beside it."""
     parent, base = os.path.split(out)
-    staging = os.path.join(parent, f".{base}.tmp-424242-feedbeef")
+    staging = os.path.join(out, ".tmp-00000-424242-feedbeef")
     os.makedirs(os.path.join(staging, "train"))
     with open(os.path.join(staging, "train", "shard.00000.mds"), "wb") as f:
         f.write(b"half a shard")
@@ -57,7 +58,7 @@ def test_two_prepares_of_one_output_and_a_live_run_on_another_host(tmp_path):
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3:  # the other host's run is live: nobody touches its work
         assert os.path.isfile(os.path.join(foreign, "train", "shard.00000.mds"))
-        assert not os.path.exists(out)
+        assert os.listdir(out) == [os.path.basename(foreign)]  # not even a plan file: nobody else holds the lease
         assert a.poll() is None and b.poll() is None
         time.sleep(0.1)
     # Its heartbeat stops (the test never refreshes it): after the lease's 6 s one of the two takes

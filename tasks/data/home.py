@@ -34,9 +34,9 @@ class LocalHome:
         """Nothing is ever half-published on a local root: `is_done` is the whole answer."""
         return None
 
-    def withdraw(self) -> bool:
-        """Take back the done-marker of an output found damaged; whether it had one."""
-        return outputs.withdraw(self.folder)
+    def withdraw(self, shard: str | None = None) -> bool:
+        """Take back the done-marker of an output found damaged, and its damaged partition's; whether it had one."""
+        return outputs.withdraw(self.folder, shard)
 
 
 class S3Home:
@@ -62,14 +62,15 @@ class S3Home:
         be prepared afresh (damaged bytes are never published again)."""
         if not outputs.is_done(local):
             return None
-        if not outputs.intact(local):
-            outputs.withdraw(local)
+        found = outputs.damage(local)
+        if found is not None:
+            outputs.withdraw(local, found.get("shard"))
             return None
         self.publish(local)
         return outputs.read_provenance(local)
 
-    def withdraw(self) -> bool:
-        return remote_root.withdraw(self.where)
+    def withdraw(self, shard: str | None = None) -> bool:
+        return remote_root.withdraw(self.where, shard)
 
 
 def home_at(folder: str) -> LocalHome | S3Home:

@@ -197,6 +197,12 @@ def partition_staging(out: str, name: str, lease) -> Iterator[str]:
             _ACTIVE.discard(tmp)
 
 
+def discard(out: str) -> None:
+    """Remove an unfinished output the caller holds the lease on: it holds nothing a rerun could reuse."""
+    if not is_done(out):
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def mark_done(out: str) -> None:
     """The output's done-marker, once every partition (each synced before its own marker), the merged indexes and
     provenance (written atomically) are on the disk."""
@@ -229,8 +235,15 @@ def _fault(point: str) -> None:
         os._exit(137)
 
 
-def withdraw(out: str) -> bool:
-    """Take back a damaged output's done-marker, so the next prepare writes it again; whether it had one."""
+def withdraw(out: str, shard: str | None = None) -> bool:
+    """Take back a damaged output's done-marker, and that of the partition holding the damaged `shard` (a basename
+    of the merged index: `<partition>/shard.N.mds`), so the next prepare writes that partition again and merges;
+    whether the output had its marker."""
+    part = damaged_partition(shard)
+    if part is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, "parts", part, DONE))
+            fsync_path(os.path.join(out, "parts", part))
     try:
         os.unlink(os.path.join(out, DONE))
     except FileNotFoundError:
@@ -239,17 +252,28 @@ def withdraw(out: str) -> bool:
     return True
 
 
-def intact(out: str) -> bool:
-    """Whether every shard of the output's splits still has the bytes its index records (trainers/data_check.py)."""
+def damaged_partition(shard: str | None) -> str | None:
+    """The partition folder a damaged shard's basename names (`00003/shard.00000.mds` -> `00003`), if it names one."""
+    head = (shard or "").split("/", 1)[0]
+    return head if "/" in (shard or "") and head.isdigit() else None
+
+
+def damage(out: str) -> dict | None:
+    """The first damage in the output's splits (trainers/data_check.py's record: which shard, why), or None."""
     from trainers.data_check import DamagedData, verify_stream
 
     try:
         for split in ("train", "val"):
             if os.path.isdir(os.path.join(out, split)):
                 verify_stream(os.path.basename(out), os.path.join(out, split))
-    except DamagedData:
-        return False
-    return True
+    except DamagedData as exc:
+        return exc.record
+    return None
+
+
+def intact(out: str) -> bool:
+    """Whether every shard of the output's splits still has the bytes its index records."""
+    return damage(out) is None
 
 
 def read_provenance(out: str) -> dict:

@@ -260,24 +260,34 @@ def _write(
         log.info("source %s: %d of %d partitions already prepared", src.name, reused, len(spec.partitions))
     if progress is not None:
         progress.begin(src.name, len(spec.partitions), reused)
-    partition_run.run(
-        p.out,
-        [(part, partition_run.jobs_for(src, part, spec.chunk, tok)) for part in todo],
-        packing=spec.packing,
-        workers=data.workers or parallel.default_workers(),
-        lease=held,
-        progress=progress,
-        on_done=None if progress is None else progress.partition,
-    )
-    prov = finish(
-        p,
-        data,
-        spec,
-        merge.local_reader(p.out),
-        lambda indexes, prov: merge.finish_local(p.out, indexes, prov),
-        started=started,
-        reused=reused,
-    )
+    try:
+        partition_run.run(
+            p.out,
+            [(part, partition_run.jobs_for(src, part, spec.chunk, tok)) for part in todo],
+            packing=spec.packing,
+            workers=data.workers or parallel.default_workers(),
+            lease=held,
+            progress=progress,
+            on_done=None if progress is None else progress.partition,
+        )
+    except DataError:
+        # Bad input: finished partitions stay for the rerun after the fix; an output with none holds nothing.
+        if not any(partitions.is_done(p.out, part.index) for part in spec.partitions):
+            outputs.discard(p.out)
+        raise
+    try:
+        prov = finish(
+            p,
+            data,
+            spec,
+            merge.local_reader(p.out),
+            lambda indexes, prov: merge.finish_local(p.out, indexes, prov),
+            started=started,
+            reused=reused,
+        )
+    except DataError:
+        outputs.discard(p.out)  # refused whole (no documents, no validation sample): no rerun of it can succeed
+        raise
     if p.home.publish(p.out):
         log.info("source %s: published to %s", src.name, p.home.where)
     return result(p, prov, cached=False)

@@ -47,11 +47,17 @@ def is_done(uri: str) -> bool:
         raise DataError(uri, f"cannot read the data root ({exc.__cause__})") from exc
 
 
-def withdraw(uri: str) -> bool:
-    """Take back a published output's done-marker (a trainer found its bytes damaged). Whether it had one."""
+def withdraw(uri: str, shard: str | None = None) -> bool:
+    """Take back a published output's done-marker (a trainer found its bytes damaged), and that of the partition
+    holding the damaged `shard`, so the next prepare writes it again. Whether the output had its marker."""
+    from tasks.data.outputs import damaged_partition
+
+    bucket, key = _key(uri)
+    part = damaged_partition(shard)
+    if part is not None:
+        storage._s3_client().delete_object(Bucket=bucket, Key=f"{key}/parts/{part}/{DONE}")
     if not is_done(uri):
         return False
-    bucket, key = _key(uri)
     storage._s3_client().delete_object(Bucket=bucket, Key=f"{key}/{DONE}")
     return True
 

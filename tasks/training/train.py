@@ -320,7 +320,7 @@ def _withdraw_damaged(stage_name: str, damage: dict, recipe_path: str) -> str:
 
     folder = damage["path"].rstrip("/")
     out = folder.rsplit("/", 1)[0]  # <data root>/<source>-<hash>, holding the train/ and val/ splits
-    withdrawn = home_at(out).withdraw()
+    withdrawn = home_at(out).withdraw(damage.get("shard"))
     shard = f"shard {damage['shard']}" if damage.get("shard") else "its index"
     if damage.get("samples"):
         shard += f" (samples {damage['samples'][0]:,}-{damage['samples'][1]:,})"
