@@ -70,7 +70,7 @@ class S3Home:
         return outputs.read_provenance(local)
 
     def withdraw(self, shard: str | None = None) -> bool:
-        return remote_root.withdraw(self.where, shard)
+        return remote_root.withdraw(self.where, outputs.damaged_partition(shard))
 
 
 def home_at(folder: str) -> LocalHome | S3Home:

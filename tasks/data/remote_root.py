@@ -47,13 +47,10 @@ def is_done(uri: str) -> bool:
         raise DataError(uri, f"cannot read the data root ({exc.__cause__})") from exc
 
 
-def withdraw(uri: str, shard: str | None = None) -> bool:
-    """Take back a published output's done-marker (a trainer found its bytes damaged), and that of the partition
-    holding the damaged `shard`, so the next prepare writes it again. Whether the output had its marker."""
-    from tasks.data.outputs import damaged_partition
-
+def withdraw(uri: str, part: str | None = None) -> bool:
+    """Take back a published output's done-marker (a trainer found its bytes damaged), and that of partition `part`
+    (the one holding the damaged shard), so the next prepare writes it again. Whether the output had its marker."""
     bucket, key = _key(uri)
-    part = damaged_partition(shard)
     if part is not None:
         storage._s3_client().delete_object(Bucket=bucket, Key=f"{key}/parts/{part}/{DONE}")
     if not is_done(uri):
