@@ -100,6 +100,31 @@ def write_json(path: str, obj: object) -> None:
 
 
 @contextlib.contextmanager
+def _registered(tmp: str) -> Iterator[None]:
+    """`tmp` is being filled or published by this process: a stop's exit cleanup waits for it, then removes it."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(tmp)
+    try:
+        yield
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+
+
+@contextlib.contextmanager
+def _filling(tmp: str, lease) -> Iterator[str]:
+    """`tmp` to fill; removed unless the block ends well with no stop requested and the lease still ours."""
+    try:
+        with permanent_errors("cannot write prepared data"):
+            yield tmp
+        interrupt.check()
+        lease.check()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
 def staging(out: str, lease) -> Iterator[str]:
     """Yield a fresh directory to fill; on success it becomes `out`, done-marker written last.
 
@@ -113,17 +138,9 @@ def staging(out: str, lease) -> Iterator[str]:
         _clear_staging(out)
         tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(tmp)
-    try:
-        try:
-            with permanent_errors("cannot write prepared data"):
-                yield tmp
-            interrupt.check()
-            lease.check()
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with _registered(tmp):
+        with _filling(tmp, lease):
+            yield tmp
         with permanent_errors("cannot publish prepared data"):
             if os.path.exists(out):  # unfinished (no done-marker): what a killed run left
                 shutil.rmtree(out)
@@ -134,9 +151,6 @@ def staging(out: str, lease) -> Iterator[str]:
             fsync_path(parent)
             _fault("renamed")
             write_json(os.path.join(out, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(tmp)
 
 
 PART_STAGING = ".tmp-"  # a partition's staging folder inside its output: .tmp-<partition>-<pid>-<random>
@@ -165,17 +179,9 @@ def partition_staging(out: str, name: str, lease) -> Iterator[str]:
         os.makedirs(out, exist_ok=True)
         tmp = os.path.join(out, f"{PART_STAGING}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(tmp)
-    try:
-        try:
-            with permanent_errors("cannot write prepared data"):
-                yield tmp
-            interrupt.check()
-            lease.check()
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with _registered(tmp):
+        with _filling(tmp, lease):
+            yield tmp
         with permanent_errors("cannot publish prepared data"):
             fsync_tree(tmp)
             marker_dir = os.path.join(out, "parts", name)
@@ -192,9 +198,6 @@ def partition_staging(out: str, name: str, lease) -> Iterator[str]:
             write_json(os.path.join(marker_dir, DONE), {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             shutil.rmtree(tmp, ignore_errors=True)
             _fault(f"partition-{name}-done")
-    finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(tmp)
 
 
 def discard(out: str) -> None:
