@@ -312,7 +312,10 @@ def test_the_whole_trainer_frozen_is_killed_within_two_minutes_on_the_default_bu
     first, second = _ledger(job_path)
     hung = first["hung"]
     assert first["kind"] == "preempted" and first["code"] == -9 and second["kind"] == "ok"
-    assert hung["phase"] == "step" and hung["stopped"] and hung["budget_s"] == 60 and 60 <= hung["silent_s"] <= 65
+    assert hung["phase"] == "step" and hung["stopped"] and hung["budget_s"] == 60, hung
+    # The whole group is stopped, so rank 0 (the first stopped) is blamed the moment any rank passes the budget;
+    # rank 1 may have beaten a moment before rank 0's last beat and crossed first (CI: rank 0 at 59.87 s of 60).
+    assert 60 <= max(r["silent_s"] for r in hung["ranks"]) <= 65 and 59 <= hung["silent_s"] <= 65, hung
     assert first["ended"] - stopped_at < 120  # detected and killed within two minutes
     assert sum("the watchdog found rank" in m and "(preemption 1 of" in m for m in logs) == 1
     with pytest.raises(ProcessLookupError):  # no process of the stopped group left behind
