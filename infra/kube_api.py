@@ -239,7 +239,8 @@ class Kube:
             resp.release_conn()
 
     def follow_log(self, pod: str, container: str, since_start: bool = True) -> Iterator[bytes]:
-        """The container's output as it is written, until the container ends (or the stream breaks)."""
+        """The container's output as it is written, until the container ends (or the stream breaks). The first
+        chunk is b"" once the server has answered: a follower can tell "open and quiet" from "still asking"."""
         try:
             resp = self.core.read_namespaced_pod_log(
                 pod,
@@ -254,6 +255,7 @@ class Kube:
         except _TRANSPORT as exc:
             raise ApiUnreachable(f"log of pod {pod}", exc) from None
         try:
+            yield b""
             yield from resp.stream(4096, decode_content=True)
         except _TRANSPORT as exc:
             raise ApiUnreachable(f"log of pod {pod}", exc) from None

@@ -112,9 +112,10 @@ class LogRelay:
                     self.pod0_name = name
                     self.line(f"output of pod {name}:")
                 skip = written[uid]
-                self._streaming_since = time.monotonic()
                 try:
                     for chunk in self.kube.follow_log(name, self.container):
+                        # from the server's first answer on (b""), not from the asking: a stream still being opened
+                        # on a loaded node is not "quiet", and its pod's output is still to come
                         self._streaming_since = time.monotonic()
                         if skip:
                             dropped = min(skip, len(chunk))

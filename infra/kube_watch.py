@@ -95,7 +95,10 @@ class GroupWatch:
         (each retried with backoff), and a compacted version (410: read the group again, watch from there).
         An API server that stays away longer than compute.kubernetes.api_lost_s ends the watch as retryable
         "lost track": the group is left running for the task's retry to find and re-attach to."""
-        version = ""  # where the next watch starts; "" = read the group first
+        # Where the next watch starts; "" = read the group first. After a recreate (on any of the three judgements
+        # below) the new incarnation is read afresh: a watch from the old one's version would replay the old Job's
+        # deletion, still Failed, and count its failure a second time (CI once ended with 75 under max_restarts=1).
+        version = ""
         lost_since: float | None = None
         delay = BACKOFF_S[0]
         while not self._stop.is_set():
@@ -107,6 +110,9 @@ class GroupWatch:
                     outcome = self._judge(obj)
                     if outcome is not None:
                         return outcome
+                    if self._recreated:
+                        self._recreated, version = False, ""
+                        continue
                 for kind, obj in self.kube.watch(self.kind, self.name, watch_s, version):
                     if self._stop.is_set():
                         return None
@@ -118,7 +124,7 @@ class GroupWatch:
                     outcome = self._judge(obj)
                     if outcome is not None:
                         return outcome
-                    if self._recreated:  # the old incarnation's events (its deletion) are not the new one's
+                    if self._recreated:
                         self._recreated, version = False, ""
                         break
                 if self._stop.is_set():
@@ -129,6 +135,8 @@ class GroupWatch:
                 outcome = self._judge(obj)  # pods and timeouts change without an event on the group
                 if outcome is not None:
                     return outcome
+                if self._recreated:
+                    self._recreated, version = False, ""
             except KubeError as exc:
                 if not exc.transient:
                     raise

@@ -428,6 +428,59 @@ def test_indexed_job_fallback_deletes_and_recreates_the_group(api, tmp_path):
     assert _end(job, api) == f"tessera.k8s: Job {name} completed"
 
 
+def test_a_job_recreated_on_a_read_is_watched_afresh_and_its_failure_counted_once(api):
+    """The launcher judges a Job on three occasions: a watch event, its first read, and the read after a quiet watch
+    round. CI once ended the fallback above with 75 under max_restarts=1: the Job's failure landed on a read, the
+    Job was recreated, and the next watch started from the old incarnation's resourceVersion, replayed its deletion
+    (still Failed) and counted the one failure twice. Here the Job has failed before the first read."""
+    from infra.kube_api import Kube
+    from infra.kube_names import TRAIN_CONTAINER, Workload
+    from infra.kube_watch import GroupWatch
+    from infra.manifests import stage_manifests
+
+    c = api.cluster
+    cfg = compute({**INDEXED_JOB, "kubernetes": {**INDEXED_JOB["kubernetes"], "max_restarts": 1}})
+    work = Workload("tiny", "train", stage=0)
+    objects = stage_manifests(
+        cfg.kubernetes, work, cfg.ranks_per_node, "trainers.train", ["--stage", "0"], job_json("tiny"), {}
+    )
+    kube = Kube(cfg.kubernetes.namespace)
+    for obj in objects:
+        kube.create(obj)
+    name = objects[-1]["metadata"]["name"]
+    pods = c.start_pods(c.wait_for("Job", name))
+    c.terminate(pods[1], 75)
+    c.set_condition("Job", name, "Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    first = len(c.creates)
+
+    def scenario(c):
+        for p in c.start_pods(c.wait_for("Job", name, new_after=first)):  # the recreated Job
+            c.terminate(p, 0)
+        c.set_condition("Job", name, "Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    said: list[str] = []
+    group = GroupWatch(
+        kube,
+        cfg,
+        work,
+        objects[-1],
+        TRAIN_CONTAINER,
+        recreate=True,
+        created=True,
+        stop=threading.Event(),
+        report=said.append,
+        delete_wait_s=15.0,
+    )
+    outcome = group.until_end(1)
+    sim.join()
+    assert (outcome.code, outcome.cause) == (0, "done"), outcome.message
+    assert (group.restarts, group.preemptions) == (1, 0)
+    assert [k for k, _ in c.creates].count("Job") == 2
+    assert len([line for line in said if "deleting and recreating the whole group" in line]) == 1, said
+
+
 def test_indexed_job_gives_up_after_max_restarts(api, tmp_path):
     name = "tessera-tiny-s0-a0"
     raw = {**INDEXED_JOB, "kubernetes": {**INDEXED_JOB["kubernetes"], "max_restarts": 0}}

@@ -194,6 +194,28 @@ def test_every_index_succeeds(api, tmp_path):
     assert ("Job", NAME, "Foreground") in c.deletes
 
 
+def test_pod0_output_is_in_the_log_when_its_stream_opens_slower_than_the_job_ends(api, tmp_path):
+    """CI once lost index 0's line here: the relay counted a stream as quiet from the moment it asked for it, so
+    the end's drain (quiet for 1 s: caught up) closed the log while a loaded server was still opening the stream of
+    a pod that had long finished. Quiet counts from the server's first answer."""
+    c = api.cluster
+    c.faults.follow_delay_s = 2.0
+
+    def scenario(c):
+        job = c.wait_for("Job", NAME)
+        pods = c.start_pods(job)
+        c.log(pods[0], "tessera.prepare: partition 0: 120 documents\n")
+        _complete(c, pods)
+
+    sim = Cluster(scenario, c)
+    sim.start()
+    job = _prepare(tmp_path)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    assert "tessera.prepare: partition 0: 120 documents" in job.new_output()
+    assert _end(job, api) == f"tessera.k8s: Job {NAME} completed"
+
+
 def test_an_index_the_controller_retries_does_not_end_the_launch(api, tmp_path):
     c = api.cluster
     seen = []

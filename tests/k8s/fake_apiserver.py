@@ -93,6 +93,7 @@ class Faults:
         self.errors = 0  # the next this many requests (of any kind) are answered 500 InternalError
         self.delay_s = 0.0  # every answer is held back this long first (a slow API server)
         self.reset_watches = 0  # the next this many watches are reset (TCP RST) after their first events
+        self.follow_delay_s = 0.0  # a followed log answers this long after it is asked (a kubelet slow to open it)
         self.lock = threading.Lock()
 
     def take(self, what: str) -> bool:
@@ -546,6 +547,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
             return
+        time.sleep(c.faults.follow_delay_s)
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
