@@ -327,8 +327,9 @@ class KubernetesConfig(_Kube):
 
 
 class ComputeConfig(BaseModel):
-    """Compute backend. `local` runs the trainer as processes on this machine via Composer's launcher;
-    `kubernetes` runs it as a JobSet (or an Indexed Job) of pods, described by `kubernetes`."""
+    """Compute backend. `local` runs the trainer as processes on this machine via torch's elastic agent
+    (infra/launcher.py); `kubernetes` runs it as a JobSet (or an Indexed Job) of pods, described by `kubernetes`,
+    each pod with the same launcher."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -343,6 +344,14 @@ class ComputeConfig(BaseModel):
         "unexpected crash) before the stage fails. Small: the same bug tends to fail the same way. On Kubernetes "
         "the cluster retries application failures (kubernetes.max_restarts) and this counts the launcher's own: "
         "the API lost, an image never pulled, a create refused by an unwell API server.",
+    )
+    restarts_in_place: int = Field(
+        3,
+        ge=0,
+        description="Restarts of a launch's ranks in place after a rank crashed or hung (the watchdog's verdict): the "
+        "same launcher and pods, from the last complete checkpoint, every node together, before the launch ends and "
+        "the flow (local) or the cluster (Kubernetes) decides. Each is charged to max_preemptions or max_restarts as "
+        "a relaunch would be. A fatal exit (78) never restarts.",
     )
     max_preemptions: int = Field(
         100,

@@ -34,3 +34,13 @@ class JobLog:
                 return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+    def lines_with(self, marker: str) -> str:
+        """This launch's lines that contain `marker`, read through in one pass (a long run's log is large)."""
+        wanted = marker.encode()
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                return "\n".join(line.decode(errors="replace").rstrip("\n") for line in f if wanted in line)
+        except FileNotFoundError:
+            return ""

@@ -23,8 +23,9 @@ from infra.kube_names import (
 )
 from infra.kube_outcome import condition
 from infra.manifests import stage_manifests
-from infra.pod_spec import JOB_DIR, JOB_FILE
+from infra.pod_spec import JOB_DIR, JOB_FILE, RankLaunch
 from infra.prepare_job import prepare_job
+from trainers.contract import WARM_MODULES
 
 
 def render_stage(
@@ -35,8 +36,9 @@ def render_stage(
     run = json.loads(job_json)["run_name"]
     work = Workload(run, "train", stage=stage, attempt=attempt)
     args = ["--job", f"{JOB_DIR}/{JOB_FILE}", "--stage", str(stage)]
+    launch = RankLaunch(compute.restarts_in_place, WARM_MODULES)
     objects = stage_manifests(
-        compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json, env or {}
+        compute.kubernetes, work, compute.ranks_per_node, "trainers.train", args, job_json, env or {}, launch
     )
     return yaml.safe_dump_all(objects, sort_keys=False, width=120)
 

@@ -23,6 +23,7 @@ from infra.kube_nodes import avoid
 from infra.kube_outcome import INTERRUPTED, RETRYABLE, Outcome, parse_indexes
 from infra.kube_relay import LogRelay
 from infra.kube_watch import GroupWatch
+from infra.launch_outcome import RECORD_PREFIX, LaunchOutcome, hang_of, read_records
 from infra.lifecycle import forget
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,22 @@ class KubernetesJob:
     @property
     def outcome(self) -> Outcome | None:
         return self._outcome
+
+    def result(self) -> LaunchOutcome:
+        """How the launch ended (waits for it), the stage task's one view of it: pod 0's launcher's records (its
+        restarts in place, a hang that ended it) with what the cluster did (evictions and group restarts it went
+        through, time in its queue)."""
+        code = self.wait()
+        restarts, end = read_records(self._log.lines_with(RECORD_PREFIX))
+        return LaunchOutcome(
+            code=code,
+            hung=hang_of(end),
+            restarts=restarts,
+            preemptions=self.preemptions,
+            group_restarts=self.restarts,
+            group_restarts_spent=self.restarts_spent,
+            pending_s=self.pending_s,
+        )
 
     def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
         """Complete lines of pod 0's output (and the launcher's own lines) since the last call."""

@@ -42,7 +42,7 @@ from infra.kube_names import (
 from infra.kube_outcome import FATAL, Outcome, condition
 from infra.lifecycle import LaunchRefused, refuse_if_stopping, register
 from infra.manifests import eval_job, stage_manifests
-from infra.pod_spec import JOB_DIR, JOB_FILE
+from infra.pod_spec import JOB_DIR, JOB_FILE, RankLaunch
 from infra.prepare_job import prepare_job
 
 log = logging.getLogger(__name__)
@@ -83,16 +83,26 @@ class KubernetesBackend:
         return self._kube
 
     def launch(
-        self, module: str, args: Sequence[str], *, log_dir: Path, env: Mapping[str, str] | None = None
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        warm: Sequence[str] = (),
     ) -> KubernetesJob:
-        """A training stage: `args` name the job file (--job, shipped as a ConfigMap) and the stage (--stage)."""
+        """A training stage: `args` name the job file (--job, shipped as a ConfigMap) and the stage (--stage); each
+        pod's launcher restarts its ranks in place (compute.restarts_in_place), forked from `warm` modules."""
+        launch = RankLaunch(self.compute.restarts_in_place, tuple(warm))
         job_json = Path(_option(args, "--job")).read_text()
         stage = int(_option(args, "--stage"))
         run = json.loads(job_json)["run_name"]
         pod_args = _with_option(args, "--job", f"{JOB_DIR}/{JOB_FILE}")
 
         def build(work: Workload) -> list[dict]:
-            return stage_manifests(self.cfg, work, self.compute.ranks_per_node, module, pod_args, job_json, env or {})
+            return stage_manifests(
+                self.cfg, work, self.compute.ranks_per_node, module, pod_args, job_json, env or {}, launch
+            )
 
         return self._start(
             Workload(run, "train", stage=stage), build, TRAIN_CONTAINER, log_dir, recreate=self.cfg.api == "indexed-job"

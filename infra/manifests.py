@@ -24,7 +24,7 @@ from infra.kube_names import (
     Workload,
     pod0_address,
 )
-from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER, PodCommand, pod_spec, train_command
+from infra.pod_spec import JOB_FILE, POD_SAVE_FOLDER, PodCommand, RankLaunch, pod_spec, train_command
 from trainers.contract import FATAL as FATAL_EXIT
 from trainers.contract import HUNG as HUNG_EXIT
 from trainers.contract import MASTER_ADDR_ENV
@@ -99,10 +99,16 @@ def _indexed_job_spec(
 
 
 def _train_command(
-    cfg: KubernetesConfig, work: Workload, ranks_per_node: int, module: str, args: Sequence[str], env: Mapping[str, str]
+    cfg: KubernetesConfig,
+    work: Workload,
+    ranks_per_node: int,
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    launch: RankLaunch,
 ) -> PodCommand:
     return PodCommand(
-        train_command(cfg, ranks_per_node, module, args), {MASTER_ADDR_ENV: pod0_address(cfg, work), **env}
+        train_command(cfg, ranks_per_node, module, args, launch), {MASTER_ADDR_ENV: pod0_address(cfg, work), **env}
     )
 
 
@@ -139,9 +145,10 @@ def jobset(
     module: str,
     args: Sequence[str],
     env: Mapping[str, str] = {},
+    launch: RankLaunch = RankLaunch(),
 ) -> dict:
     """One replicated job `node` (an Indexed Job of `nodes` pods), restarted as a whole group."""
-    command = _train_command(cfg, work, ranks_per_node, module, args, env)
+    command = _train_command(cfg, work, ranks_per_node, module, args, env, launch)
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
@@ -196,9 +203,10 @@ def indexed_job(
     module: str,
     args: Sequence[str],
     env: Mapping[str, str] = {},
+    launch: RankLaunch = RankLaunch(),
 ) -> dict:
     """The fallback without operators: an Indexed Job whose pods find pod 0 through headless_service."""
-    command = _train_command(cfg, work, ranks_per_node, module, args, env)
+    command = _train_command(cfg, work, ranks_per_node, module, args, env, launch)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -261,11 +269,12 @@ def stage_manifests(
     args: Sequence[str],
     job_json: str,
     env: Mapping[str, str] = {},
+    launch: RankLaunch = RankLaunch(),
 ) -> list[dict]:
     """Every object of one training launch, in creation order: the policy first, so no pod is ever reachable
     from outside its group, the group last."""
     config_map = job_config_map(cfg, work, pod_job_file(job_json, cfg))
     fenced = [network_policy(cfg, work), config_map]
     if cfg.api == "jobset":
-        return [*fenced, jobset(cfg, work, ranks_per_node, module, args, env)]
-    return [*fenced, headless_service(cfg, work), indexed_job(cfg, work, ranks_per_node, module, args, env)]
+        return [*fenced, jobset(cfg, work, ranks_per_node, module, args, env, launch)]
+    return [*fenced, headless_service(cfg, work), indexed_job(cfg, work, ranks_per_node, module, args, env, launch)]

@@ -34,8 +34,20 @@ class PodCommand:
     env: Mapping[str, str] = field(default_factory=dict)
 
 
-def train_command(cfg: KubernetesConfig, ranks_per_node: int, module: str, args: Sequence[str]) -> list[str]:
-    """Composer's launcher on one node, behind infra.pod_launch (which reports the first failing rank's code).
+@dataclass(frozen=True)
+class RankLaunch:
+    """How a pod's launcher starts its ranks: restarts in place it may make, and the modules its ranks' forkserver
+    imports once (none: fresh interpreters)."""
+
+    restarts_in_place: int = 0
+    warm: tuple[str, ...] = ()
+
+
+def train_command(
+    cfg: KubernetesConfig, ranks_per_node: int, module: str, args: Sequence[str], launch: RankLaunch = RankLaunch()
+) -> list[str]:
+    """torch's elastic agent on one node (infra/launcher.py): `ranks_per_node` ranks, the nodes meeting at pod 0's
+    rendezvous store on master_port, restarting in place together.
 
     `$(VAR)` is expanded by the kubelet from the container's environment: JOB_COMPLETION_INDEX is
     added to every container of an Indexed Job by the Job controller.
@@ -43,18 +55,24 @@ def train_command(cfg: KubernetesConfig, ranks_per_node: int, module: str, args:
     return [
         "python",
         "-m",
-        "infra.pod_launch",
-        "composer",
-        "-n",
+        "infra.launcher",
+        "--nproc-per-node",
         str(ranks_per_node),
-        "--world_size",
-        str(cfg.nodes * ranks_per_node),
-        "--node_rank",
+        "--nnodes",
+        str(cfg.nodes),
+        "--node-rank",
         "$(JOB_COMPLETION_INDEX)",
-        "--master_addr",
-        f"$({MASTER_ADDR_ENV})",
-        "--master_port",
-        str(cfg.master_port),
+        "--rdzv-endpoint",
+        f"$({MASTER_ADDR_ENV}):{cfg.master_port}",
+        # this pod's IP (the downward API): names the node in the rendezvous, and pod 0's is where rank 0's
+        # training store listens (trainers/rendezvous.py binds it there) for every pod to reach
+        "--local-addr",
+        f"$({STORE_BIND_ENV})",
+        "--max-restarts",
+        str(launch.restarts_in_place),
+        "--log-dir",
+        f"{WORK_DIR}/logs",
+        *(["--warm", ",".join(launch.warm)] if launch.warm else ["--cold"]),
         "-m",
         module,
         *args,

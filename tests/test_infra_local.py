@@ -1,4 +1,5 @@
-"""The local backend starts N ranks through Composer's launcher, reports exit codes and can be cancelled."""
+"""The local backend starts N ranks through torch's elastic agent (infra/launcher.py), reports exit codes and can be
+cancelled."""
 
 from __future__ import annotations
 
@@ -32,14 +33,15 @@ def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
 
 
 def test_the_first_failing_rank_sets_the_exit_code(tmp_path, monkeypatch):
-    """Rank 1 fails fatally; the launcher then SIGTERMs rank 0, which answers 76 (interrupted) and would
-    otherwise be the code the launcher reports. The job reports rank 1's 78, so no retry is wasted."""
+    """Rank 1 fails fatally; the agent then SIGTERMs rank 0, which answers 76 (interrupted). The job and the launcher
+    report rank 1's 78, so no retry is wasted, and a fatal exit is never restarted in place."""
     monkeypatch.chdir(ROOT)
     backend = backend_for(ComputeConfig(procs_per_node=2))
     backend.launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path).wait(timeout=120)  # an earlier launch
     job = backend.launch("tests.launch_probe", ["peer", "78"], log_dir=tmp_path)  # appends to the same log
     assert job.wait(timeout=120) == 78
-    assert job.process.returncode == 76  # what the launcher itself said: rank 0's answer to its SIGTERM
+    assert job.process.returncode == 78 and job.restarts == []  # restarts_in_place is 3: none for a fatal exit
+    assert "rank 1 failed first with exit code 78" in job.tail(50)
 
 
 def test_cancel_stops_every_rank(tmp_path, monkeypatch):

@@ -16,10 +16,11 @@ import yaml
 
 from infra.kube_names import Workload
 from infra.manifests import eval_job, stage_manifests
-from infra.pod_spec import CACHE_DIR, JOB_DIR, JOB_FILE, POD_SAVE_FOLDER
+from infra.pod_spec import CACHE_DIR, JOB_DIR, JOB_FILE, POD_SAVE_FOLDER, RankLaunch
 from tests.conftest import ROOT
 from tests.k8s.variants import CPU_ONE_NODE, GPU_KUEUE, GPU_TWO_NODES, INDEXED_JOB, VARIANTS, compute, job_json
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
+from trainers.contract import WARM_MODULES
 
 K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 JOBSET_RELEASE = "v0.12.0"
@@ -44,6 +45,7 @@ def _render(raw: dict, run: str = "tiny", stage: int = 1, attempt: int = 0) -> l
         TRAIN_ARGS,
         job_json(run),
         {"TESSERA_HOLDER": "flow run 'x'", SUPERVISOR_ENV: "123"},
+        RankLaunch(cfg.restarts_in_place, WARM_MODULES),  # as KubernetesBackend.launch renders it
     )
 
 
@@ -139,7 +141,7 @@ def test_jobset_shape_command_and_failure_policy():
                 "onJobFailureReasons": ["PodFailurePolicy"],
                 "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"],
             },
-            {  # the pod's watchdog killed a hung group (infra/pod_launch.py): restarted like a disruption
+            {  # the pod's watchdog killed a hung group (infra/launcher.py, restarts in place spent): like a disruption
                 "name": "Hang",
                 "action": "RestartJobSetAndIgnoreMaxRestarts",
                 "onJobFailureReasons": ["PodFailurePolicy"],
@@ -161,18 +163,23 @@ def test_jobset_shape_command_and_failure_policy():
     assert c["command"] == [
         "python",
         "-m",
-        "infra.pod_launch",
-        "composer",
-        "-n",
+        "infra.launcher",
+        "--nproc-per-node",
         "8",
-        "--world_size",
-        "16",
-        "--node_rank",
+        "--nnodes",
+        "2",
+        "--node-rank",
         "$(JOB_COMPLETION_INDEX)",
-        "--master_addr",
-        "$(TESSERA_MASTER_ADDR)",
-        "--master_port",
-        "29500",
+        "--rdzv-endpoint",
+        "$(TESSERA_MASTER_ADDR):29500",
+        "--local-addr",
+        "$(TESSERA_STORE_BIND)",
+        "--max-restarts",
+        "3",
+        "--log-dir",
+        "/var/tessera/work/logs",
+        "--warm",
+        "trainers.build,trainers.metrics_journal,trainers.rollback,trainers.data_check",
         "-m",
         "trainers.train",
         "--job",
@@ -283,7 +290,7 @@ def test_plain_env_is_accepted_and_only_its_names_become_mlflow_params(tmp_path)
 def test_cpu_variant_and_kueue_label():
     js = _by_kind(_render(CPU_ONE_NODE))["JobSet"]
     c = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"][4:8] == ["-n", "2", "--world_size", "2"]  # procs_per_node ranks on a CPU pod
+    assert c["command"][3:7] == ["--nproc-per-node", "2", "--nnodes", "1"]  # procs_per_node ranks on a CPU pod
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
     assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["completions"] == 1
     kueue = _by_kind(_render(GPU_KUEUE))["JobSet"]

@@ -1,9 +1,10 @@
-"""The command line a training pod runs, run for real as 2 "nodes" on this machine.
+"""The command line a training pod runs (infra/launcher.py: torch's elastic agent), for real as 2 "nodes" here.
 
 Each node is a process with the command and environment its pod gets from the rendered JobSet,
 expanded the way the kubelet expands `$(VAR)`, plus the variable the Job controller adds
 (JOB_COMPLETION_INDEX). One substitution: pod 0's DNS name resolves only inside a cluster, so
-TESSERA_MASTER_ADDR is 127.0.0.1 here. The module is a probe instead of trainers.train, so the test
+TESSERA_MASTER_ADDR is 127.0.0.1 here, and so is each pod's IP (TESSERA_STORE_BIND, from the
+downward API). The module is a probe instead of trainers.train, so the test
 checks the wiring (node ranks, world size, rendezvous, exit codes), not training; the trainer's
 own two-node run is tests/test_train.py::test_two_nodes_without_a_shared_folder_resume_through_s3.
 """
@@ -17,9 +18,10 @@ import sys
 
 from infra.kube_names import Workload
 from infra.manifests import jobset
+from infra.pod_spec import RankLaunch
 from tests.conftest import ROOT, free_port
 from tests.k8s.variants import CPU_ONE_NODE, compute
-from trainers.contract import MASTER_ADDR_ENV
+from trainers.contract import MASTER_ADDR_ENV, STORE_BIND_ENV, WARM_MODULES
 from trainers.contract import SUPERVISOR_PID_ENV as SUPERVISOR_ENV
 
 
@@ -37,6 +39,7 @@ def _pod_processes(raw: dict, args: list[str], env: dict | None = None) -> list[
         "tests.k8s.probe",
         args,
         {"TESSERA_HOLDER": "flow run 'test'", SUPERVISOR_ENV: str(os.getpid()), **(env or {})},
+        RankLaunch(cfg.restarts_in_place, WARM_MODULES),  # as KubernetesBackend.launch renders it
     )
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     (container,) = job["template"]["spec"]["containers"]
@@ -46,7 +49,7 @@ def _pod_processes(raw: dict, args: list[str], env: dict | None = None) -> list[
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert SUPERVISOR_ENV not in env  # no supervisor process in a pod
         env["JOB_COMPLETION_INDEX"] = str(index)
-        env[MASTER_ADDR_ENV] = "127.0.0.1"
+        env[MASTER_ADDR_ENV] = env[STORE_BIND_ENV] = "127.0.0.1"
         argv = [kubelet_expand(a, env) for a in container["command"]]
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
         pods.append((argv, env))
@@ -72,18 +75,25 @@ def test_two_nodes_rendezvous_through_pod0_with_their_completion_index():
         "kubernetes": {**CPU_ONE_NODE["kubernetes"], "nodes": 2, "master_port": port},
     }
     pods = _pod_processes(raw, ["allreduce"])
-    assert pods[1][0][3:] == [
-        "composer",
-        "-n",
+    assert pods[1][0][1:] == [
+        "-m",
+        "infra.launcher",
+        "--nproc-per-node",
         "1",
-        "--world_size",
+        "--nnodes",
         "2",
-        "--node_rank",
+        "--node-rank",
         "1",
-        "--master_addr",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
         "127.0.0.1",
-        "--master_port",
-        str(port),
+        "--max-restarts",
+        "3",
+        "--log-dir",
+        "/var/tessera/work/logs",
+        "--warm",
+        ",".join(WARM_MODULES),
         "-m",
         "tests.k8s.probe",
         "allreduce",
@@ -95,28 +105,32 @@ def test_two_nodes_rendezvous_through_pod0_with_their_completion_index():
 
 
 def test_a_pods_exit_code_is_its_first_failing_ranks():
-    """Rank 1 exits 78; Composer's launcher stops rank 0 (76) and itself exits 76. The pod must exit 78,
-    or the JobSet's FailJobSet rule on exit code 78 would never fire."""
+    """Rank 1 exits 78; the agent stops rank 0 (76). The pod must exit 78, or the JobSet's FailJobSet rule on exit
+    code 78 would never fire; and a fatal exit is not restarted in place."""
     raw = {
         **CPU_ONE_NODE,
         "procs_per_node": 2,
         "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()},
     }
     ((code, out),) = _run(_pod_processes(raw, ["peer", "78"]))
-    assert "Rank 1 crashed with exit code 78" in out, out
-    assert "tessera.pod: the launcher exited 76; rank that failed first exited 78" in out
+    assert "tessera.launcher: rank 1 failed first with exit code 78; 0 restart(s) in place spent" in out, out
+    assert "restart 1 in place" not in out
     assert code == 78
 
 
-def test_the_pods_watchdog_kills_a_hung_group_and_exits_79_with_the_line_as_its_termination_message(tmp_path):
-    """Rank 1 of a 2-rank pod stops itself after three steps (tests/k8s/probe.py freeze); the watchdog in the pod's
-    entrypoint, with the budgets the flow puts in the pod's environment, writes both ranks' stacks to the pod's log,
-    kills the launcher's whole group and exits 79, the code the pod failure policy restarts the group on without
-    counting it (infra/manifests.py); the flow reads the line from the pod's termination message."""
+def test_the_pods_watchdog_restarts_a_hung_group_in_place_then_exits_79_with_the_line_as_its_termination_message(
+    tmp_path,
+):
+    """Rank 1 of a 2-rank pod stops itself after three steps (tests/k8s/probe.py freeze), in every attempt; the
+    watchdog in the pod's launcher, with the budgets the flow puts in the pod's environment, writes both ranks' stacks
+    to the pod's log and kills the ranks; the launcher restarts them in place once (restarts_in_place: 1), then exits
+    79, the code the pod failure policy restarts the group on without counting it (infra/manifests.py); the flow
+    reads the line from the pod's termination message."""
     import json
     import time
 
     from infra.kube_outcome import pod_failure
+    from infra.launch_outcome import RECORD_PREFIX
     from infra.watchdog import budgets_env, process_state
     from trainers.config import WatchdogConfig
     from trainers.contract import HEARTBEAT_DIR_ENV, HUNG, INTERRUPTED, TERMINATION_LOG_ENV
@@ -124,6 +138,7 @@ def test_the_pods_watchdog_kills_a_hung_group_and_exits_79_with_the_line_as_its_
     raw = {
         **CPU_ONE_NODE,
         "procs_per_node": 2,
+        "restarts_in_place": 1,
         "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()},
     }
     budgets = budgets_env(WatchdogConfig(step_floor_s=3, poll_s=0.5).model_dump())
@@ -133,11 +148,13 @@ def test_the_pods_watchdog_kills_a_hung_group_and_exits_79_with_the_line_as_its_
     started = time.monotonic()
     ((code, out),) = _run([pod], env={HEARTBEAT_DIR_ENV: str(beats), TERMINATION_LOG_ENV: str(message)})
     assert code == HUNG == 79, out
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 90
+    (restart,) = [json.loads(line.split(RECORD_PREFIX, 1)[1]) for line in out.splitlines() if RECORD_PREFIX in line][:1]
+    assert (restart["kind"], restart["cause"], restart["rank"]) == ("restart", "hung", 1), restart
     said = message.read_text()
     assert said.startswith("the watchdog found rank 1 (") and "hung in phase step for " in said, said
     assert "over its 3 s budget (the step floor" in said and "its process stopped (SIGSTOP)" in said
-    assert f"tessera.pod: {said}; exiting 79" in out
+    assert f"tessera.launcher: {said}; restarts spent (1), exiting 79" in out
     assert "--- rank 0: Python stacks (faulthandler)" in out and "--- rank 1: Python stacks (faulthandler)" in out
     assert 'probe.py", line' in out  # where each rank was
     pids = [json.loads((beats / f"rank{r}.json").read_bytes())["pid"] for r in (0, 1)]

@@ -252,7 +252,7 @@ def test_the_rendered_jobset_runs_the_recipes_nodes_gpus_queue_and_parallelism(n
     pod = group["template"]["spec"]
     (trainer,) = pod["containers"]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
-    assert trainer["command"][4:8] == ["-n", str(gpus), "--world_size", str(nodes * gpus)]
+    assert trainer["command"][3:7] == ["--nproc-per-node", str(gpus), "--nnodes", str(nodes)]
     assert trainer["command"][-2:] == ["--stage", str(last)]
     scratch = next(v for v in pod["volumes"] if v["name"] == "scratch")
     assert scratch["emptyDir"]["sizeLimit"] == recipe.compute.kubernetes.scratch_size

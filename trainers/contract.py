@@ -74,6 +74,10 @@ OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78
 # A training pod whose watchdog killed its hung ranks (infra/pod_launch.py) exits HUNG: the Job's pod failure
 # policy and the JobSet's rules restart the group on it without counting it against maxRestarts, as a preemption.
 HUNG = 79
+
+# The modules a launch's ranks fork from (infra/warm.py): what `python -m trainers.train` imports before its first
+# step, imported once per launch by the forkserver instead of once per rank (~8.6 s of CPU each).
+WARM_MODULES = ("trainers.build", "trainers.metrics_journal", "trainers.rollback", "trainers.data_check")
 # Where a pod writes the one line saying why it ended (the kubelet's terminationMessagePath): the flow reads it
 # from the pod's status, so a hang is named in the run's log without fetching the pod's log.
 TERMINATION_LOG_ENV = "TESSERA_TERMINATION_LOG"

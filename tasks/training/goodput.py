@@ -21,6 +21,7 @@ The buckets, which add up to that wall:
     eval        held-out batches scored at checkpoints
     lost        a launch's work after its last checkpoint, when it then failed: re-trained by the next
     hung        the silence before the watchdog killed a hung group
+    restart     a restart in place (infra/launcher.py), from the crash or the kill to the restarted ranks' start
     pending     time a group waited in the cluster's queue before its pods ran (Kubernetes)
     idle        between launches (the relaunch delay, a Prefect retry) and a process's own exit
 goodput = productive / wall.
@@ -42,7 +43,7 @@ from tasks.training.train_job import checkpoint_store
 from trainers import time_records
 from trainers.config import TrainJob
 
-BUCKETS = ("productive", "startup", "compile", "load", "save", "eval", "lost", "hung", "pending", "idle")
+BUCKETS = ("productive", "startup", "compile", "load", "save", "eval", "lost", "hung", "restart", "pending", "idle")
 WORDS = {
     "productive": "productive training (steps a checkpoint kept)",
     "startup": "startup (launch to the first step)",
@@ -52,6 +53,7 @@ WORDS = {
     "eval": "held-out evaluation",
     "lost": "lost: steps re-trained after a failure",
     "hung": "hung (before the watchdog's kill)",
+    "restart": "restarts in place (crash to the ranks' new start)",
     "pending": "pending in the cluster's queue",
     "idle": "between launches, and process exits",
 }
@@ -111,8 +113,23 @@ def _add(target: dict[str, float], source: dict[str, float]) -> None:
         target[k] = target.get(k, 0.0) + v
 
 
-def _launch_buckets(launch: dict, records: list[dict]) -> dict[str, float]:
-    """One launch's wall time, bucket by bucket."""
+def _attempts(launch: dict):
+    """A launch as its attempts: split at each restart in place, each ending as that restart's cause (a crash, a
+    hang); (attempt, whether it began with a restart)."""
+    restarts = launch.get("restarts") or []
+    bounds = [launch["started"], *[min(max(r["at"], launch["started"]), launch["ended"]) for r in restarts]]
+    bounds.append(launch["ended"])
+    for i in range(len(bounds) - 1):
+        attempt = dict(launch, started=bounds[i], ended=bounds[i + 1])
+        if i:
+            attempt["pending_s"] = 0.0
+        if i < len(restarts):
+            attempt.update(kind="failed", stopped=False, hung=restarts[i].get("hung"))
+        yield attempt, i > 0
+
+
+def _launch_buckets(launch: dict, records: list[dict], restarted: bool = False) -> dict[str, float]:
+    """One launch's (or restarted attempt's) wall time, bucket by bucket."""
     wall = max(0.0, launch["ended"] - launch["started"])
     out = dict.fromkeys(BUCKETS, 0.0)
     pending = float(launch.get("pending_s") or 0.0)
@@ -122,7 +139,7 @@ def _launch_buckets(launch: dict, records: list[dict]) -> dict[str, float]:
         last = records[-1]
         p = last["phases"]
         out["productive"] = p.get("data", 0) + p.get("step", 0)
-        out["startup"] = max(0.0, last["process_start"] - accounted_until) + sum(
+        out["restart" if restarted else "startup"] = max(0.0, last["process_start"] - accounted_until) + sum(
             p.get(k, 0) for k in ("startup", "plan", "first_step")
         )
         out["compile"] = p.get("compile", 0)
@@ -154,8 +171,10 @@ def compute(run_dir: str | Path, save_folder: str | Path, run_name: str) -> Good
         if _no_op(launch):
             result.left_out["no_op_launches"] += max(0.0, launch["ended"] - launch["started"])
             continue
-        mine = [r for r in records if launch["started"] - 1 <= r["process_start"] <= launch["ended"]]
-        part = _launch_buckets(launch, sorted(mine, key=lambda r: r["at"]))
+        part = dict.fromkeys(BUCKETS, 0.0)
+        for attempt, restarted in _attempts(launch):
+            mine = [r for r in records if attempt["started"] - 1 <= r["process_start"] <= attempt["ended"]]
+            _add(part, _launch_buckets(attempt, sorted(mine, key=lambda r: r["at"]), restarted))
         result.wall_s += launch["ended"] - launch["started"]
         if previous is not None:
             gap = max(0.0, launch["started"] - previous["ended"])

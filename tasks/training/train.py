@@ -15,6 +15,10 @@ stopped from outside says nothing about the run while a crash may well repeat:
   the launcher losing track of the API, an image never pulled, an API server refusing a create;
 - fatal (no retry): exit 78 (bad job, divergence, an edited stage, a run already being trained)
   and 2 (usage).
+
+Before any of these, the launcher restarts a crashed or hung launch's ranks in place (compute.restarts_in_place,
+infra/launcher.py): no new launcher or pod. Each restart is in the launch's record with its cause and is charged to
+the budget a relaunch for the same cause would draw on (a signal or a hang: preemptions; a crash: restarts).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from prefect.states import Cancelled
 from infra import allow_launches, backend_for, stopping
 from infra import cancel_all as stop_launched_jobs
 from infra.config import ComputeConfig
+from infra.launch_outcome import LaunchOutcome
 from infra.watchdog import budgets_env
 from tasks.retry import retry_unless
 from tasks.training import launch_records
@@ -47,7 +52,7 @@ from tasks.training.stage_ends import (
 from tasks.training.train_job import checkpoint_store
 from tasks.training.train_progress import ProgressRelay
 from trainers.config import MlflowTarget, TrainJob
-from trainers.contract import HOLDER_ENV
+from trainers.contract import HOLDER_ENV, WARM_MODULES
 from trainers.progress import parse_damage
 
 POLL_SECONDS = 1.0
@@ -57,15 +62,15 @@ PREEMPTION_DELAY_S = 2.0  # let the dead job's ports and shared memory go before
 __all__ = ["MlflowTarget", "TrainJob", "allow_launches", "stop_launched_jobs"]  # for flows, which never import infra
 
 
-def _run_once(job, relay: ProgressRelay) -> int:
+def _run_once(job, relay: ProgressRelay) -> LaunchOutcome:
     """Wait for one launch to end, relaying its progress; the job never outlives this call."""
     try:
         while job.poll() is None:
             relay.feed(job.new_output())
             time.sleep(POLL_SECONDS)
-        code = job.wait()
+        result = job.result()
         relay.feed(job.new_output())
-        return code
+        return result
     finally:
         job.cancel()
         relay.close()
@@ -113,12 +118,17 @@ def train_stage(
     preemptions = 0
     relay_name = run_name or Path(job_path).parent.name
     while True:
-        job, code, record = _launch_once(
+        job, result, record = _launch_once(
             backend, spec, job_path, stage_index, stage_name, compute, log_dir, env, relay_name
         )
-        preemptions += job.preemptions  # evictions the job restarted through by itself (a JobSet's) count too
-        kind, hang = record["kind"], getattr(job, "hung", None)
+        code, hang = result.code, result.hung
+        # evictions the job restarted through by itself (a JobSet's) and its restarts in place for a signal or a hang
+        preemptions += result.preemptions + sum(exit_kind(r.code or 0) != "failed" for r in result.restarts)
+        kind = record["kind"]
         _record_launch(logger, run_dir, record)
+        failures = sum(exit_kind(r.code or 0) == "failed" for r in result.restarts)
+        if failures > compute.max_restarts and kind != "ok":
+            kind = "failed"  # the crashes restarted in place spent what relaunches for them may spend
         if kind == "ok":
             return code
         if job.stopped or stopping():  # the flow is failing or being cancelled: a relaunch would outlive it
@@ -145,7 +155,7 @@ def train_stage(
             time.sleep(PREEMPTION_DELAY_S)
             continue
         logger.error("stage %s: last lines of %s:\n%s", stage_name, job.log_path, job.tail())
-        raise _failure(job, kind, code, stage_name, preemptions, last)
+        raise _failure(job, result, kind, code, stage_name, preemptions, last)
 
 
 def _launch_once(
@@ -160,14 +170,20 @@ def _launch_once(
         ["--job", job_path, "--stage", str(stage_index)],
         log_dir=Path(log_dir) / stage_name,
         env=env or None,
+        warm=WARM_MODULES,
     )
     logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
-    avoid = getattr(job, "avoid_node", None) if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
-    code = _run_once(job, ProgressRelay(logger, relay_name, stage_name, avoid_node=avoid))
-    kind, hang = exit_kind(code), getattr(job, "hung", None)
+    avoid = job.avoid_node if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
+    result = _run_once(job, ProgressRelay(logger, relay_name, stage_name, avoid_node=avoid))
+    code, hang = result.code, result.hung
+    kind = exit_kind(code)
+    for restart in result.restarts:
+        logger.warning(
+            "stage %s: %s; the launcher restarted the ranks from the last checkpoint", stage_name, restart.line()
+        )
     return (
         job,
-        code,
+        result,
         {
             "stage": stage_name,
             "started": started,
@@ -178,20 +194,23 @@ def _launch_once(
             "tokens_before": before,
             "tokens_after": _newest_tokens(spec, compute),
             "stopped": job.stopped or stopping(),  # by its flow (a cancel): not the run failing
-            "pending_s": round(getattr(job, "pending_s", 0.0), 3),  # in the cluster's queue (Kubernetes)
+            "pending_s": round(result.pending_s, 3),  # in the cluster's queue (Kubernetes)
+            "restarts": [r.to_json() for r in result.restarts],  # in place, each with its cause
             "flow_run": str(flow_run.id) if flow_run.id else None,  # gaps inside one flow run are the run's
         },
     )
 
 
-def _failure(job, kind: str, code: int, stage_name: str, preemptions: int, last: str) -> Exception:
+def _failure(
+    job, result: LaunchOutcome, kind: str, code: int, stage_name: str, preemptions: int, last: str
+) -> Exception:
     """The error a stage ends with when it is not relaunched: what kind of end, and what budget it spent."""
     error = {"fatal": TrainingFatal, "preempted": PreemptionBudgetSpent}.get(kind, TrainingFailed)
     budget = f" {preemptions} times, compute.max_preemptions spent" if kind == "preempted" else ""
-    if kind == "failed" and getattr(job, "restarts_spent", False):
+    if kind == "failed" and result.group_restarts_spent:
         error = RestartsSpent
         budget = (
-            f" after {job.restarts} restarts of the group in the cluster, compute.kubernetes.max_restarts "
+            f" after {result.group_restarts} restarts of the group in the cluster, compute.kubernetes.max_restarts "
             f"spent: not retried again"
         )
     return error(

@@ -1,0 +1,95 @@
+"""A launch's warm start: its ranks fork from one process that has imported the trainer's modules once.
+
+torch's elastic agent (infra/launcher.py) starts the ranks with multiprocessing; with the "forkserver" start method
+they fork from a server process, which imports the modules `multiprocessing.set_forkserver_preload` names before it
+forks anything. This module is the first of them, and it holds that process to two rules:
+
+- It never initialises CUDA: a forked child of a process with a CUDA context cannot use the GPU. Here
+  PYTORCH_NVML_BASED_CUDA_CHECK=1 is set before torch loads (torch.cuda.is_available() then asks NVML, not the
+  driver), and torch.cuda's lazy initialisation is wrapped so that a module that calls it anyway is caught.
+- It runs no torch computation on several threads: OpenMP is not fork-safe (a child of a process whose OpenMP pool
+  started can hang in its first parallel region). Here torch's intra-op threads are set to 1 before the other
+  modules load, so a computation a module runs at import stays on the calling thread, and a module that raises the
+  count is caught; each rank sets the count back to what torch chose for this launch before anything else runs.
+
+`verdict()` names the rule the server broke, or is None. A rank forked from a server that broke one replaces
+itself with a fresh interpreter (`os.execv`, same pid, so the agent still watches it), and local rank 0 says which
+start was used in the launch log. Standard library and torch only: it loads before anything else in the server.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+# Before torch loads, in the server; a rank inherits it, which changes nothing but how torch asks whether a GPU exists.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
+import torch  # after the variable above, which torch reads when it loads
+
+# What torch chose for this process (OMP_NUM_THREADS or the cores), restored in each rank.
+_THREADS = torch.get_num_threads()
+_CUDA_CALLS: list[str] = []
+
+
+def _guard_cuda() -> None:
+    lazy_init = torch.cuda._lazy_init
+
+    def caught(*args, **kwargs):
+        import traceback
+
+        _CUDA_CALLS.append(traceback.format_stack(limit=4)[0].strip().splitlines()[0])
+        return lazy_init(*args, **kwargs)
+
+    torch.cuda._lazy_init = caught
+
+
+_guard_cuda()
+torch.set_num_threads(1)
+
+
+def verdict() -> str | None:
+    """The rule this process broke since it loaded this module (see the module docstring), or None."""
+    if _CUDA_CALLS or torch.cuda.is_initialized():
+        where = f" ({_CUDA_CALLS[0]})" if _CUDA_CALLS else ""
+        return f"the warm process initialised CUDA{where}"
+    if torch.get_num_threads() != 1:
+        return f"the warm process raised torch's threads to {torch.get_num_threads()} before forking (OpenMP)"
+    return None
+
+
+def _as_composer_expects() -> None:
+    """Composer reads NODE_RANK, which torch's agent calls GROUP_RANK (it sets LOCAL_WORLD_SIZE itself)."""
+    os.environ["NODE_RANK"] = os.environ.get("GROUP_RANK", "0")
+
+
+def run_rank(module: str, argv: list[str], local_rank: str) -> None:
+    """A rank's entry: `python -m module argv` in this forked process, or in a fresh interpreter when the server
+    that forked it broke a rule. Local rank 0 writes which start was used to the launch log."""
+    say_start = local_rank == "0"
+    _as_composer_expects()
+    problem = verdict()
+    if problem is not None:
+        if say_start:
+            print(f"tessera.launcher: {problem}; ranks start as fresh interpreters", flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    torch.set_num_threads(_THREADS)
+    if say_start:
+        warm = sorted(m for m in sys.modules if m.split(".")[0] in ("trainers", "composer", "transformers"))
+        print(
+            f"tessera.launcher: ranks forked from a warm process ({len(warm)} trainer modules imported once)",
+            flush=True,
+        )
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def run_cold(module: str, argv: list[str], local_rank: str) -> None:
+    """A rank's entry when the launch asked for fresh interpreters (start method spawn): the same command."""
+    _as_composer_expects()
+    if local_rank == "0":
+        print("tessera.launcher: ranks start as fresh interpreters (asked for)", flush=True)
+    torch.set_num_threads(_THREADS)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
