@@ -71,10 +71,44 @@ def test_the_buckets_add_up_to_the_wall_time_and_the_killed_launchs_tail_is_lost
         "eval": 0,
         "lost": 40,  # the killed launch's work after its checkpoint at T0 + 60: trained again
         "hung": 0,
+        "restart": 0,
         "pending": 0,
         "idle": 5 + 1 + 1,  # the relaunch delay, the second's close and its exit
     }
     assert sum(goodput.buckets.values()) == goodput.wall_s and goodput.ratio == 125 / 200
+
+
+def test_a_restart_in_place_splits_its_launch_the_crashs_tail_is_lost_and_the_restart_has_its_bucket(tmp_path):
+    """The same two processes as one launch whose launcher restarted its ranks in place at T0 + 100 (a rank killed):
+    the first attempt's work after its checkpoint is lost, the 8 s from the crash to the new process plus its startup
+    phases are the restart's, and nothing is charged as a relaunch's idle gap."""
+    from tasks.training import launch_records
+    from tasks.training.goodput import compute
+
+    _, run_dir, job = _run(tmp_path)
+    launch_records.path(run_dir).unlink()
+    restart = {"attempt": 1, "cause": "crashed", "rank": 1, "code": -9, "at": T0 + 100, "hung": None}
+    launch_records.append(
+        run_dir,
+        {"stage": "s", "started": T0, "ended": T0 + 200, "code": 0, "kind": "ok", "hung": None, "tokens_before": 0,
+         "tokens_after": 4096, "stopped": False, "pending_s": 0.0, "flow_run": "f1", "restarts": [restart]},
+    )  # fmt: skip
+    goodput = compute(run_dir, job.save_folder, "r")
+    assert (goodput.launches, goodput.wall_s) == (1, 200.0)
+    assert goodput.buckets == {
+        "productive": 50 + 75,
+        "startup": 2 + 3 + 5,  # the launch's own start only
+        "restart": (108 - 100) + 3 + 2,  # crash to the new process, then its startup and first step
+        "compile": 3,
+        "load": 4,
+        "save": 3,
+        "eval": 0,
+        "lost": 40,  # the first attempt's work after its checkpoint at T0 + 60
+        "hung": 0,
+        "pending": 0,
+        "idle": 1 + 1,  # the close and the exit
+    }
+    assert sum(goodput.buckets.values()) == goodput.wall_s
 
 
 def test_goodput_measures_the_run_not_the_calendar(tmp_path):

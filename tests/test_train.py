@@ -909,12 +909,14 @@ def test_a_stage_with_its_own_seq_len_reads_its_own_packing(tmp_path, sources):
 
 
 def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str, str]) -> tuple[int, int]:
-    """One rank per "node", two Composer launchers. Node 1 runs in its own mount namespace where the
-    job's save folder is another directory and /dev/shm is its own: like pods on two hosts, the nodes
-    share no checkpoint folder and no shared memory."""
+    """One rank per "node", two launchers (infra/launcher.py) meeting at node 0's rendezvous. Node 1 runs in its own
+    mount namespace where the job's save folder is another directory and /dev/shm is its own: like pods on two
+    hosts, the nodes share no checkpoint folder and no shared memory."""
     import os
     import shlex
     import socket
+
+    from trainers.contract import WARM_MODULES
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -927,21 +929,21 @@ def _launch_two_nodes(job, job_path, node1_disk: Path, log: Path, env: dict[str,
         cmd = [
             sys.executable,
             "-m",
-            "composer.cli.launcher",
-            "-n",
+            "infra.launcher",
+            "--nproc-per-node",
             "1",
-            "--world_size",
+            "--nnodes",
             "2",
-            "--node_rank",
+            "--node-rank",
             str(node),
-            "--master_addr",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--local-addr",
             "127.0.0.1",
-            "--master_port",
-            str(port),
-            "--stdout",
-            str(logs / "rank{rank}.out"),
-            "--stderr",
-            str(logs / "rank{rank}.err"),
+            "--log-dir",
+            str(logs),
+            "--warm",
+            ",".join(WARM_MODULES),
             "-m",
             "trainers.train",
             "--job",

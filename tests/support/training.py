@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from trainers.config import MlflowTarget, ModelConfig, StageConfig, TrainConfig, TrainJob
+from trainers.contract import WARM_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 NEOX_TOKENIZER = ROOT / "data" / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
@@ -119,7 +120,8 @@ def write_job(job: TrainJob, path: str | Path) -> Path:
 def run_stage(
     job_path: str | Path, stage: int, *, procs: int = 1, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """Run `python -m trainers.train` as the flow would (through Composer's launcher when procs > 1)."""
+    """Run `python -m trainers.train` as the flow would (through infra/launcher.py, ranks forked warm, when procs > 1;
+    no restarts in place: each test says what a launch's end is)."""
     args = ["--job", str(job_path), "--stage", str(stage)]
     if procs == 1:
         cmd = [sys.executable, "-m", "trainers.train", *args]
@@ -129,13 +131,13 @@ def run_stage(
         cmd = [
             sys.executable,
             "-m",
-            "composer.cli.launcher",
-            "-n",
+            "infra.launcher",
+            "--nproc-per-node",
             str(procs),
-            "--stdout",
-            str(logs / "rank{rank}.out"),
-            "--stderr",
-            str(logs / "rank{rank}.err"),
+            "--log-dir",
+            str(logs),
+            "--warm",
+            ",".join(WARM_MODULES),
             "-m",
             "trainers.train",
             *args,
