@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -61,9 +62,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--log-dir", default=".")
     p.add_argument("--warm", default="", help="comma-separated modules the ranks' forkserver imports once")
     p.add_argument("--cold", action="store_true", help="start each rank as a fresh interpreter")
-    p.add_argument("-m", dest="module", required=True)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    return p.parse_args(argv)
+    p.add_argument("-m", dest="module", required=True, help="the ranks' module; every argument after it is its own")
+    # Everything after `-m MODULE` is the module's, options included (argparse would claim those it knows).
+    split = argv.index("-m") + 2 if "-m" in argv[:-1] else len(argv)
+    ns = p.parse_args(argv[:split])
+    ns.args = argv[split:]
+    return ns
 
 
 def _say(text: str) -> None:
@@ -122,12 +126,36 @@ def _agent_class():
         """torch's agent, with the watchdog in its monitor loop, fatal exits that never restart, and a record of
         each restart's cause."""
 
-        def __init__(self, *args, watchdog: Watchdog | None, beats: Path | None, **kwargs):
+        def __init__(
+            self, *args, node_rank: int, local_addr: str | None, watchdog: Watchdog | None, beats: Path | None, **kwargs
+        ):
             super().__init__(*args, **kwargs)
+            self.node_rank, self.local_addr = node_rank, local_addr
             self.watchdog, self.beats = watchdog, beats
             self.hang: Hang | None = None  # what the watchdog found in the attempt now ending
             self.restarts: list[Restart] = []
             self.last_failure: tuple[int, int] | None = None  # (global rank, exit code) that failed first
+
+        def _rendezvous(self, worker_group) -> None:
+            """torch's rendezvous, with two things fixed by the node's own rank (a pod's completion index) instead of
+            the order torch's rendezvous sorts nodes in: the ranks on this node (node k holds ranks k*G...), which
+            the checkpoints on each node's disk and the node's heartbeats follow; and where rank 0's training store
+            listens (node 0's address, a port free there), so rank 0 and the address every rank is given agree."""
+            from torch.distributed.elastic.utils.distributed import get_free_port
+
+            spec = worker_group.spec
+            info = spec.rdzv_handler.next_rendezvous()
+            store = info.store  # this rendezvous round's own
+            if self.node_rank == 0:
+                store.set("tessera/master", f"{self.local_addr or socket.getfqdn()} {get_free_port()}")
+            addr, port = store.get("tessera/master").decode().split()
+            self._store = store
+            worker_group.workers = self._assign_worker_ranks(store, self.node_rank, info.world_size, spec)
+            worker_group.store = store
+            worker_group.group_rank, worker_group.group_world_size = self.node_rank, info.world_size
+            worker_group.master_addr, worker_group.master_port = addr, int(port)
+            if self.watchdog is not None:
+                self.watchdog.ranks = [w.global_rank for w in worker_group.workers]
 
         def _start_workers(self, worker_group):
             if self.watchdog is not None and self.beats is not None:
@@ -249,6 +277,8 @@ def run(ns: argparse.Namespace) -> int:
         spec=spec,
         logs_specs=_logs_specs(log_dir),
         start_method="forkserver" if warm else "spawn",
+        node_rank=ns.node_rank,
+        local_addr=ns.local_addr or (host if ns.nnodes == 1 else None),
         watchdog=watchdog,
         beats=beats,
     )

@@ -228,8 +228,9 @@ def _job(root: Path, source: str, steps: int = 48, **watchdog):
     return job, write_job(job, root / "job.json")
 
 
-def _run_stage(job_path: Path, ranks: int = 2):
-    """The stage task in a flow, as the pipeline runs it; returns (its result or exception, the flow run's logs)."""
+def _run_stage(job_path: Path, ranks: int = 2, restarts_in_place: int = 0):
+    """The stage task in a flow, as the pipeline runs it; returns (its result or exception, the flow run's logs).
+    No restarts in place unless asked: these tests are about what the flow does once a launch has ended."""
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -243,7 +244,7 @@ def _run_stage(job_path: Path, ranks: int = 2):
     @flow(name="one-stage")
     def one_stage():
         ids.append(get_run_context().flow_run.id)
-        compute = ComputeConfig(procs_per_node=ranks)
+        compute = ComputeConfig(procs_per_node=ranks, restarts_in_place=restarts_in_place)
         return stage_task(compute)(str(job_path), 0, "s", compute, str(job_path.parent / "logs"))
 
     try:
@@ -379,6 +380,49 @@ def test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up(
     assert goodput.buckets["lost"] > 0  # steps 17-20 of the first launch, 33-40 of the second, trained again
     assert goodput.buckets["productive"] > 0 and goodput.buckets["startup"] > 0 and goodput.buckets["save"] > 0
     assert 0 < goodput.ratio < 1
+
+
+@pytest.mark.slow
+def test_a_kill_and_a_frozen_rank_restart_in_place_in_one_launch_and_the_goodput_ledger_adds_up(
+    prefect_harness, reference, tmp_path, source, monkeypatch
+):
+    """As above, with the launcher's restarts in place (compute.restarts_in_place=3): rank 1 is SIGKILLed after step
+    20, then SIGSTOPped after step 40; the launcher restarts the ranks from the checkpoint at 16, then (after the
+    watchdog's stacks and kill) from the one at 32, in the same launcher process. One launch, two restarts with their
+    causes, each charged as a preemption; the weights are the uninterrupted run's, bitwise; the ledger's restart
+    bucket holds the time from each kill to the restarted ranks' start."""
+    from tasks.training.goodput import compute
+
+    monkeypatch.setenv("TESSERA_FAULT", f"step:{20 * STEP}")
+    monkeypatch.setenv("TESSERA_FAULT_RANK", "1")
+    monkeypatch.setenv("TESSERA_FAULT_ONCE", str(tmp_path / "killed-once"))
+    monkeypatch.setenv("TESSERA_FREEZE", f"rank:{40 * STEP}")
+    monkeypatch.setenv("TESSERA_FREEZE_RANK", "1")
+    monkeypatch.setenv("TESSERA_FREEZE_ONCE", str(tmp_path / "frozen.json"))
+    job, job_path = _job(tmp_path, source, step_floor_s=8.0)
+    outcome, logs = _run_stage(job_path, restarts_in_place=3)
+    assert outcome == 0, outcome
+    (launch,) = _ledger(job_path)  # one launcher from start to end
+    assert (launch["kind"], launch["code"], launch["tokens_after"]) == ("ok", 0, 48 * STEP)
+    killed, hung = launch["restarts"]
+    assert (killed["cause"], killed["rank"], killed["code"]) == ("crashed", 1, -9), killed
+    assert (hung["cause"], hung["rank"], hung["hung"]["phase"], hung["hung"]["stopped"]) == ("hung", 1, "step", True)
+    assert launch["started"] < killed["at"] < hung["at"] < launch["ended"]
+    log = (tmp_path / "logs" / "s" / "rank0.log").read_text()
+    assert log.count("tessera.launcher: ranks forked from a warm process") == 3  # the start and both restarts
+    assert "tessera.launcher: restart 1 in place: rank 1 exited with code -9" in log
+    assert "tessera.launcher: restart 2 in place: the watchdog found rank 1 (" in log
+    assert "--- rank 1: Python stacks (faulthandler)" in log
+    said = [m for m in logs if "in place" in m]
+    assert len(said) == 2 and said[0].startswith("stage s: restart 1 in place: rank 1 exited with code -9"), said
+    assert process_state(json.loads((tmp_path / "frozen.json").read_text())["pid"]) is None
+    assert _same_weights(job, reference)
+
+    goodput = compute(tmp_path, job.save_folder, job.run_name)
+    assert goodput.launches == 1 and goodput.tokens == 48 * STEP
+    assert abs(sum(goodput.buckets.values()) - goodput.wall_s) <= 0.01 * goodput.wall_s
+    assert goodput.buckets["restart"] > 0 and goodput.buckets["lost"] > 0 and 8 <= goodput.buckets["hung"] <= 13
+    assert goodput.buckets["idle"] < 5  # no relaunch delay: nothing waited between launches
 
 
 @pytest.mark.slow

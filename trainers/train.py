@@ -66,8 +66,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _refresh_import_time_ranks() -> None:
+    """Values libraries computed from RANK or LOCAL_RANK when they were imported. A rank forked from a launch's
+    warm process (infra/warm.py, WARM_MODULES) got its modules imported there, before any rank existed: Composer
+    would name every rank's checkpoint shard `__0_0.distcp` (rank 1 of a node whose disk holds only its own shard
+    then fails its save, seen in test_two_nodes_without_a_shared_folder_resume_through_s3) and torchmetrics would
+    print as local rank 0. Set again from this rank's environment; in a fresh interpreter they are already right."""
+    shard = f"__{int(os.environ.get('RANK', '0'))}_0.distcp"
+    for name in ("composer.utils.checkpoint", "composer.checkpoint.save"):  # the second copies the first's value
+        if name in sys.modules:
+            sys.modules[name]._TORCH_DISTRIBUTED_CHECKPOINTS_FILENAME = shard
+    if "torchmetrics.utilities.prints" in sys.modules:
+        sys.modules["torchmetrics.utilities.prints"].rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def main(argv: list[str] | None = None) -> int:
     watch_supervisor()  # first: a rank still importing torch must not outlive its flow either
+    _refresh_import_time_ranks()
     heartbeat.start()  # and the watchdog beside the ranks sees this one from its first second
     stop_on_signals()
     args = parse_args(argv)
