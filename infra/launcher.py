@@ -40,6 +40,7 @@ from trainers.contract import (
     HEARTBEAT_DIR_ENV,
     HUNG,
     INTERRUPTED,
+    RETRYABLE,
     TERMINATION_LOG,
     TERMINATION_LOG_ENV,
     WATCHDOG_ENV,
@@ -171,11 +172,19 @@ def _agent_class():
                 if hang is not None:
                     self._kill_hung(hang, [w.id for w in worker_group.workers])
             if result.state == WorkerState.FAILED and result.failures:
-                rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
-                self.last_failure = (rank, failure.exitcode)
-                if failure.exitcode == FATAL:  # the input is wrong: a restart reproduces it
+                self.last_failure = _cause(self._exit_codes(worker_group)) or next(
+                    (rank, f.exitcode) for rank, f in result.failures.items()
+                )
+                if self.last_failure[1] == FATAL:  # the input is wrong: a restart reproduces it
                     self._remaining_restarts = 0
             return result
+
+        def _exit_codes(self, worker_group) -> dict[int, int]:
+            """Each ended rank's exit code, by global rank. torch reports the first failed rank its poll happened to
+            look at; a rank killed -9 and its peer's answer (75, a lost peer) often both ended by then."""
+            processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])  # torch's ProcessContext
+            ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+            return {ranks[i]: p.exitcode for i, p in enumerate(processes) if p.exitcode not in (None, 0)}
 
         def _kill_hung(self, hang: Hang, pids: list[int]) -> None:
             assert self.watchdog is not None
@@ -212,6 +221,21 @@ def _agent_class():
             super()._restart_workers(worker_group)
 
     return Agent
+
+
+def _cause(codes: dict[int, int]) -> tuple[int, int] | None:
+    """(rank, code) of the failure that explains the others: a fatal exit first, then a kill (a signal other than
+    the agent's own SIGTERM) or a crash, and only then a lost peer's 75 or a stopped rank's 76; the lowest rank of
+    the same kind."""
+
+    def consequence(code: int) -> int:
+        if code == FATAL:
+            return 0
+        if code in (RETRYABLE, INTERRUPTED, -signal.SIGTERM):
+            return 2
+        return 1
+
+    return min(codes.items(), key=lambda kv: (consequence(kv[1]), kv[0]), default=None)
 
 
 def _warm_up(modules: list[str]) -> None:

@@ -25,11 +25,28 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
+    """Rank 0 exits 75 in every attempt: the launcher restarts the ranks in place compute.restarts_in_place (2)
+    times, then the launch ends with 75 for the flow, which relaunches as before; nothing of the group is left."""
+    from tests.support.training import live_group_members
+
     monkeypatch.chdir(ROOT)
-    job = backend_for(ComputeConfig(procs_per_node=2)).launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path)
+    backend = backend_for(ComputeConfig(procs_per_node=2, restarts_in_place=2))
+    job = backend.launch("tests.launch_probe", ["exit", "75"], log_dir=tmp_path, warm=("tests.launch_probe",))
     assert job.wait(timeout=120) == 75  # rank 0's retryable code reaches the supervisor unchanged
-    assert "rank=0 world=2 master=127.0.0.1" in job.log_path.read_text()
+    result = job.result()
+    assert [(r.attempt, r.cause, r.rank, r.code) for r in result.restarts] == [
+        (1, "crashed", 0, 75),
+        (2, "crashed", 0, 75),
+    ]
+    assert result.code == 75 and result.hung is None
+    log = job.log_path.read_text()
+    assert log.count("rank=0 world=2 master=127.0.0.1") == 3 and "ranks forked from a warm process" in log
     assert "rank=1 world=2 master=127.0.0.1" in (tmp_path / "rank1.stdout.log").read_text()
+    assert "rank=1 world=2 master=127.0.0.1" in (tmp_path / "rank1.restart2.stdout.log").read_text()
+    deadline = time.monotonic() + 10  # the forkserver leaves when the launcher is gone
+    while live_group_members(job.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_group_members(job.process.pid) == []
 
 
 def test_the_first_failing_rank_sets_the_exit_code(tmp_path, monkeypatch):

@@ -104,6 +104,32 @@ def test_two_nodes_rendezvous_through_pod0_with_their_completion_index():
         assert f"allreduce sum=1 rank={node} world=2 node_rank={node} master=127.0.0.1 supervisor=None" in out, out
 
 
+def test_a_rank_killed_on_one_node_restarts_both_nodes_in_place_together(tmp_path):
+    """Two "pods" of one rank each; rank 1 (pod 1) SIGKILLs itself once. Pod 1's launcher restarts its rank in place;
+    pod 0's sees the new rendezvous round (or its rank's lost peer) and restarts too: one launcher per pod throughout,
+    and the restarted ranks meet again and finish. The kill is the recorded cause on the node where it happened."""
+    import json
+
+    from infra.launch_outcome import read_records
+
+    raw = {
+        **CPU_ONE_NODE,
+        "procs_per_node": 1,
+        "kubernetes": {**CPU_ONE_NODE["kubernetes"], "nodes": 2, "master_port": free_port()},
+    }
+    results = _run(_pod_processes(raw, ["crash-once", str(tmp_path / "crashed")]))
+    assert [code for code, _ in results] == [0, 0], results
+    for node, (_, out) in enumerate(results):
+        assert f"allreduce sum=1 rank={node} world=2 node_rank={node} master=127.0.0.1" in out, out
+        restarts, end = read_records(out)
+        assert len(restarts) == 1 and end == {**end, "code": 0, "restarts": 1}, out
+    (killed,), _ = read_records(results[1][1])
+    assert (killed.cause, killed.rank, killed.code) == ("crashed", 1, -9), json.dumps(killed.to_json())
+    # pod 0's: the new rendezvous round pod 1 opened, or its own rank's lost peer if that came first
+    (followed,), _ = read_records(results[0][1])
+    assert (followed.cause, followed.rank, followed.code) in (("peer", None, None), ("crashed", 0, 75)), followed
+
+
 def test_a_pods_exit_code_is_its_first_failing_ranks():
     """Rank 1 exits 78; the agent stops rank 0 (76). The pod must exit 78, or the JobSet's FailJobSet rule on exit
     code 78 would never fire; and a fatal exit is not restarted in place."""

@@ -413,7 +413,7 @@ def test_a_kill_and_a_frozen_rank_restart_in_place_in_one_launch_and_the_goodput
     assert "tessera.launcher: restart 1 in place: rank 1 exited with code -9" in log
     assert "tessera.launcher: restart 2 in place: the watchdog found rank 1 (" in log
     assert "--- rank 1: Python stacks (faulthandler)" in log
-    said = [m for m in logs if "in place" in m]
+    said = [m for m in logs if "in place:" in m]
     assert len(said) == 2 and said[0].startswith("stage s: restart 1 in place: rank 1 exited with code -9"), said
     assert process_state(json.loads((tmp_path / "frozen.json").read_text())["pid"]) is None
     assert _same_weights(job, reference)

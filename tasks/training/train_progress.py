@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from uuid import UUID
 
+from infra.launch_outcome import read_records
 from tasks.artifacts import artifact_key
 from trainers.progress import parse_preflight, parse_progress, parse_ranks, parse_start
 
@@ -169,6 +170,12 @@ class ProgressRelay:
             if checked is not None:
                 said, warn = describe_preflight(self.stage, checked)
                 (self.logger.warning if warn else self.logger.info)(said)
+                continue
+            restarts, _ = read_records(line)  # the launcher's restarts in place, said as they happen
+            for restart in restarts:
+                self.logger.warning(
+                    "stage %s: %s; the launcher restarts the ranks from the last checkpoint", self.stage, restart.line()
+                )
         self._update_bar()
         if self.latest is not None and time.monotonic() - self._last_report >= self.every_s:
             self.report()

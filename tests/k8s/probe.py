@@ -1,7 +1,9 @@
-"""Stands in for the trainer in a pod's command line: joins the process group Composer's launcher set up.
+"""Stands in for the trainer in a pod's command line: joins the process group the launcher (infra/launcher.py) set up.
 
 allreduce      every rank joins over gloo (MASTER_ADDR/PORT from the launcher) and sums the ranks
 peer N         rank 1 exits N; rank 0 answers the launcher's SIGTERM with 76, as the trainer does
+crash-once F   rank 1 SIGKILLs itself the first time (F, a file, says it did); then every rank joins over gloo and
+               sums the ranks, as allreduce: the launchers restart both nodes' ranks in place together
 freeze         every rank beats its heartbeat through three steps, then rank 1 stops itself (SIGSTOP) and
                rank 0 waits for it without a beat, as a rank blocked in a collective would
 """
@@ -26,6 +28,20 @@ if __name__ == "__main__":
             f"allreduce sum={int(total.item())} {where} supervisor={os.environ.get('TESSERA_SUPERVISOR_PID')}",
             flush=True,
         )
+        dist.destroy_process_group()
+        sys.exit(0)
+    if mode == "crash-once":
+        import torch
+        import torch.distributed as dist
+
+        if rank == "1" and not os.path.exists(sys.argv[2]):
+            open(sys.argv[2], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print(f"allreduce sum={int(total.item())} {where} restart={restart}", flush=True)
         dist.destroy_process_group()
         sys.exit(0)
     if mode == "peer":
