@@ -46,6 +46,7 @@ from trainers.contract import (
     WATCHDOG_ENV,
 )
 
+VERDICT_ENV = "TESSERA_WARM_VERDICT"  # where the warm process writes its verdict (infra/warm_seal.py)
 # The pod's own scratch for heartbeats when the environment names none: they live only as long as the launch.
 HEARTBEAT_DIR = "/tmp/tessera-heartbeats"
 MONITOR_S = 0.5  # how often the agent looks at its ranks: a crash is seen, and the group restarted, this soon
@@ -128,9 +129,17 @@ def _agent_class():
         each restart's cause."""
 
         def __init__(
-            self, *args, node_rank: int, local_addr: str | None, watchdog: Watchdog | None, beats: Path | None, **kwargs
+            self,
+            *args,
+            verdict: Path | None,
+            node_rank: int,
+            local_addr: str | None,
+            watchdog: Watchdog | None,
+            beats: Path | None,
+            **kwargs,
         ):
             super().__init__(*args, **kwargs)
+            self.verdict = verdict
             self.node_rank, self.local_addr = node_rank, local_addr
             self.watchdog, self.beats = watchdog, beats
             self.hang: Hang | None = None  # what the watchdog found in the attempt now ending
@@ -159,6 +168,13 @@ def _agent_class():
                 self.watchdog.ranks = [w.global_rank for w in worker_group.workers]
 
         def _start_workers(self, worker_group):
+            if self.verdict is not None:  # the first start: the ranks fork warm only from a server that kept the rules
+                problem, self.verdict = _read_verdict(self.verdict), None
+                if problem:
+                    from infra.warm import run_cold
+
+                    _say(f"tessera.launcher: {problem}; ranks start as fresh interpreters")
+                    self._start_method, worker_group.spec.entrypoint = "spawn", run_cold
             if self.watchdog is not None and self.beats is not None:
                 fresh_folder(self.beats)
                 self.watchdog.started, self.watchdog._last = time.time(), {}
@@ -238,12 +254,29 @@ def _cause(codes: dict[int, int]) -> tuple[int, int] | None:
     return min(codes.items(), key=lambda kv: (consequence(kv[1]), kv[0]), default=None)
 
 
-def _warm_up(modules: list[str]) -> None:
-    """The forkserver imports `modules` now, while the agent meets its peers: a rank forks from it later."""
+def _warm_up(modules: list[str], log_dir: Path) -> Path:
+    """The forkserver imports `modules` now, while the agent meets its peers: a rank forks from it later. Returns
+    the file where it will write its verdict on infra/warm.py's rules (empty: kept them)."""
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(["infra.warm", *modules])
+    verdict = log_dir / f".warm-verdict-{os.getpid()}"
+    verdict.unlink(missing_ok=True)
+    os.environ[VERDICT_ENV] = str(verdict)  # the server inherits the environment it starts with
+    multiprocessing.set_forkserver_preload(["infra.warm", *modules, "infra.warm_seal"])
     forkserver.ensure_running()
+    return verdict
+
+
+def _read_verdict(path: Path, timeout_s: float = 900) -> str:
+    """The warm process's verdict, once its preloads are in (as long as the imports take, at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return f"the warm process said nothing of its imports in {timeout_s:.0f} s"
+        time.sleep(0.05)
+    text = path.read_text().strip()
+    path.unlink(missing_ok=True)
+    return text
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -263,8 +296,9 @@ def run(ns: argparse.Namespace) -> int:
     log_dir = Path(ns.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     warm = [m for m in ns.warm.split(",") if m] and not ns.cold
-    if warm:
-        _warm_up(ns.warm.split(","))
+    verdict = _warm_up(ns.warm.split(","), log_dir) if warm else None
+    if not warm:
+        _say("tessera.launcher: ranks start as fresh interpreters (no warm modules asked for)")
     budgets = Budgets.from_json(os.environ.get(WATCHDOG_ENV))
     watchdog = beats = None
     if budgets is not None:
@@ -301,6 +335,7 @@ def run(ns: argparse.Namespace) -> int:
         spec=spec,
         logs_specs=_logs_specs(log_dir),
         start_method="forkserver" if warm else "spawn",
+        verdict=verdict,
         node_rank=ns.node_rank,
         local_addr=ns.local_addr or (host if ns.nnodes == 1 else None),
         watchdog=watchdog,

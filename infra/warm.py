@@ -12,9 +12,10 @@ forks anything. This module is the first of them, and it holds that process to t
   modules load, so a computation a module runs at import stays on the calling thread, and a module that raises the
   count is caught; each rank sets the count back to what torch chose for this launch before anything else runs.
 
-`verdict()` names the rule the server broke, or is None. A rank forked from a server that broke one replaces
-itself with a fresh interpreter (`os.execv`, same pid, so the agent still watches it), and local rank 0 says which
-start was used in the launch log. Standard library and torch only: it loads before anything else in the server.
+`verdict()` names the rule the server broke, or is None; infra/warm_seal.py, the server's last preload, records it
+once every module is in and hands it to the launcher, which then starts that launch's ranks as fresh interpreters
+(torch's spawn) instead of forking them, and says so in the launch log. Standard library and torch only: it loads
+before anything else in the server.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch  # after the variable above, which torch reads when it loads
 # What torch chose for this process (OMP_NUM_THREADS or the cores), restored in each rank.
 _THREADS = torch.get_num_threads()
 _CUDA_CALLS: list[str] = []
+_SEALED: list[str | None] = []  # the server's verdict once every preload was imported (seal)
 
 
 def _guard_cuda() -> None:
@@ -59,21 +61,28 @@ def verdict() -> str | None:
     return None
 
 
+def seal() -> None:
+    """The server's verdict, taken after its last preload and before it forks anything."""
+    _SEALED[:] = [verdict()]
+
+
+def sealed() -> str | None:
+    return _SEALED[0] if _SEALED else "the warm process was not sealed (infra/warm_seal.py)"
+
+
 def _as_composer_expects() -> None:
     """Composer reads NODE_RANK, which torch's agent calls GROUP_RANK (it sets LOCAL_WORLD_SIZE itself)."""
     os.environ["NODE_RANK"] = os.environ.get("GROUP_RANK", "0")
 
 
 def run_rank(module: str, argv: list[str], local_rank: str) -> None:
-    """A rank's entry: `python -m module argv` in this forked process, or in a fresh interpreter when the server
-    that forked it broke a rule. Local rank 0 writes which start was used to the launch log."""
+    """A rank's entry: `python -m module argv` in this process, forked from the warm server. Local rank 0 writes
+    which start was used to the launch log."""
     say_start = local_rank == "0"
     _as_composer_expects()
-    problem = verdict()
-    if problem is not None:
-        if say_start:
-            print(f"tessera.launcher: {problem}; ranks start as fresh interpreters", flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    problem = sealed()
+    if problem is not None:  # the launcher forks only from a server that kept the rules: never seen, but never run on
+        raise RuntimeError(f"a rank was forked from a warm process that broke its rules: {problem}")
     torch.set_num_threads(_THREADS)
     if say_start:
         warm = sorted(m for m in sys.modules if m.split(".")[0] in ("trainers", "composer", "transformers"))
@@ -86,10 +95,8 @@ def run_rank(module: str, argv: list[str], local_rank: str) -> None:
 
 
 def run_cold(module: str, argv: list[str], local_rank: str) -> None:
-    """A rank's entry when the launch asked for fresh interpreters (start method spawn): the same command."""
+    """A rank's entry in a fresh interpreter (start method spawn): the same command. The launcher says why."""
     _as_composer_expects()
-    if local_rank == "0":
-        print("tessera.launcher: ranks start as fresh interpreters (asked for)", flush=True)
     torch.set_num_threads(_THREADS)
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
