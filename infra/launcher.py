@@ -280,6 +280,12 @@ def _read_verdict(path: Path, timeout_s: float = 900) -> str:
 
 
 def run(ns: argparse.Namespace) -> int:
+    log_dir = Path(ns.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    warm = [m for m in ns.warm.split(",") if m] and not ns.cold
+    # First, before this process imports torch: the server's imports (most of a launch's start) overlap its own.
+    verdict = _warm_up(ns.warm.split(","), log_dir) if warm else None
+
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -293,10 +299,6 @@ def run(ns: argparse.Namespace) -> int:
     # torch's agent logs each failure with a traceback of its own polling; the launcher's lines say what happened
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    log_dir = Path(ns.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    warm = [m for m in ns.warm.split(",") if m] and not ns.cold
-    verdict = _warm_up(ns.warm.split(","), log_dir) if warm else None
     if not warm:
         _say("tessera.launcher: ranks start as fresh interpreters (no warm modules asked for)")
     budgets = Budgets.from_json(os.environ.get(WATCHDOG_ENV))

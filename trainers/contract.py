@@ -34,7 +34,7 @@ COMPILE_CACHE_ENV = "TESSERA_COMPILE_CACHE_DIR"
 SUPERVISOR_PID_ENV = "TESSERA_SUPERVISOR_PID"
 # Who started this trainer (a flow run and its URL): a second trainer refused the run's folder names it.
 HOLDER_ENV = "TESSERA_HOLDER"
-# Rank 0's pod address on Kubernetes, which the pod entrypoint hands Composer's launcher.
+# Rank 0's pod address on Kubernetes: where the pods' launchers (infra/launcher.py) meet.
 MASTER_ADDR_ENV = "TESSERA_MASTER_ADDR"
 # The address rank 0's rendezvous store listens on (trainers/rendezvous.py); on Kubernetes the pod's own IP
 # (the downward API), elsewhere unset: MASTER_ADDR, the address the launcher gave every rank.
@@ -71,7 +71,7 @@ STACK_SIGNAL = "SIGUSR1"  # asks a rank to write every thread's Python stack (fa
 # Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
 # 2 (argparse usage) and 128+N (killed by signal N).
 OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78
-# A training pod whose watchdog killed its hung ranks (infra/pod_launch.py) exits HUNG: the Job's pod failure
+# A training pod whose watchdog killed its hung ranks (infra/launcher.py, its restarts in place spent) exits HUNG: the Job's pod failure
 # policy and the JobSet's rules restart the group on it without counting it against maxRestarts, as a preemption.
 HUNG = 79
 

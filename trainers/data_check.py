@@ -61,7 +61,7 @@ def first_damage() -> DamagedData | None:
 
 def announce(damage: DamagedData) -> None:
     """Name the damage on this rank's stdout as one `tessera.damaged {json}` line (trainers/progress.py): the
-    flow reads it from the job log (a non-zero rank's output is appended there by Composer's launcher)."""
+    flow reads it from the job log (a non-zero rank's output is in its own file beside it)."""
     print(format_damage(damage.record), file=sys.stdout, flush=True)
 
 

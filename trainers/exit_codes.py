@@ -4,7 +4,7 @@ RETRYABLE (75): the trainer failed, and relaunching the same command can succeed
 resumes from its last complete checkpoint (a peer died under a collective, a collective timed
 out, a loss anomaly scheduled a rollback).
 INTERRUPTED (76): the trainer did not fail, it was stopped from outside: SIGTERM or SIGINT (a
-preemption, Composer's launcher stopping the survivors after a peer died, a cancel), or the
+preemption, the launcher stopping the survivors after a peer died, a cancel), or the
 process that launched it is gone (trainers/supervisor.py). A relaunch resumes as well; a
 supervisor counts these against a separate, larger budget, since a spot node preempted many
 times says nothing about the job itself.

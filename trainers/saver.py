@@ -116,7 +116,7 @@ def _written_by_this_rank(folder: Path) -> list[str]:
 
 
 def _node_ranks() -> set[int]:
-    """The global ranks of this node (Composer's launcher numbers them node by node)."""
+    """The global ranks of this node (the launcher numbers them node by node: infra/launcher.py)."""
     per_node = dist.get_local_world_size()
     first = dist.get_global_rank() - dist.get_local_rank()
     return set(range(first, first + per_node))

@@ -1,8 +1,8 @@
 """Entrypoint of a training pod: `python -m trainers.train --job JOB.json --stage K`.
 
 Trains stage K (0-based) up to the cumulative token count of stages 0..K, resuming from the
-job's save folder. Run it under Composer's launcher for several ranks:
-`composer -n N -m trainers.train --job JOB.json --stage K`. Exit codes: trainers/exit_codes.py.
+job's save folder. Run it under tessera's launcher (torch's elastic agent) for several ranks:
+`python -m infra.launcher --nproc-per-node N -m trainers.train --job JOB.json --stage K`. Exit codes: trainers/exit_codes.py.
 """
 
 from __future__ import annotations
