@@ -11,9 +11,13 @@ fault hook's once-file) to both ranks' next optimizer step in a new process: a r
 launcher ends, the flow waits tasks.training.train.PREEMPTION_DELAY_S and starts a new launcher) against a restart
 in place (--max-restarts 1: the same launcher and forkserver).
 
+With the start's wall time goes the CPU the whole launch used to get there (every process of its group, read from
+/proc at the moment of the last rank's first step): on a machine with a core per rank the old path's per-rank
+imports run in parallel, so its wall hides them; its CPU does not.
+
 Prints one JSON line last: {"bench": "launch", "start_s": {"composer": {1: .., 2: .., 4: ..}, "torch_warm": {...}},
-"start_ratio": {N: warm/composer}, "restart_s": {"relaunch": .., "in_place": ..}, "restart_ratio": ..}.
-Goals: start_ratio at 2 ranks <= 0.5, restart_ratio <= 0.5.
+"start_ratio": {N: warm/composer}, "start_cpu_s": {...}, "start_cpu_ratio": {...}, "restart_s": {"relaunch": ..,
+"in_place": ..}, "restart_ratio": ..}. Goals: start_ratio at 2 ranks <= 0.5, restart_ratio <= 0.5.
 """
 
 from __future__ import annotations
@@ -91,8 +95,26 @@ def _fresh(job_path: Path) -> None:
     shutil.rmtree(job.save_folder, ignore_errors=True)
 
 
-def time_start(path: str, ranks: int, job_path: Path, work: Path) -> float:
-    """Seconds from spawning the launcher to every rank's first step."""
+def _group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds the live processes of a process group have used (the launcher, its forkserver and
+    the ranks; all still alive at a first step)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / tick
+
+
+def time_start(path: str, ranks: int, job_path: Path, work: Path) -> tuple[float, float]:
+    """(seconds, CPU seconds of the whole launch) from spawning the launcher to every rank's first step."""
     _fresh(job_path)
     beats = work / f"beats-{path}-{ranks}"
     shutil.rmtree(beats, ignore_errors=True)
@@ -108,7 +130,7 @@ def time_start(path: str, ranks: int, job_path: Path, work: Path) -> float:
     try:
         while True:
             if all(b is not None and (b.get("step") or 0) >= 1 for b in _beats(beats, ranks)):
-                return time.monotonic() - started
+                return time.monotonic() - started, _group_cpu_s(proc.pid)
             if proc.poll() is not None:
                 raise RuntimeError(f"{path} with {ranks} rank(s) exited {proc.returncode} before its first step")
             time.sleep(0.05)
@@ -174,13 +196,16 @@ def main() -> None:
         )
         job_path = write_job(job, work / "job.json")
         start: dict[str, dict[int, float]] = {"composer": {}, "torch_warm": {}}
+        cpu: dict[str, dict[int, float]] = {"composer": {}, "torch_warm": {}}
         for ranks in [int(r) for r in args.ranks.split(",")]:
             for path in ("composer", "torch_warm"):
-                start[path][ranks] = float("inf")
+                start[path][ranks] = cpu[path][ranks] = float("inf")
             for _ in range(args.repeats):
                 for path in ("composer", "torch_warm"):
-                    start[path][ranks] = min(start[path][ranks], time_start(path, ranks, job_path, work))
-                    print(f"start {path} x{ranks}: {start[path][ranks]:.2f} s", file=sys.stderr, flush=True)
+                    wall, used = time_start(path, ranks, job_path, work)
+                    start[path][ranks] = min(start[path][ranks], wall)
+                    cpu[path][ranks] = min(cpu[path][ranks], used)
+                    print(f"start {path} x{ranks}: {wall:.2f} s, {used:.1f} CPU s", file=sys.stderr, flush=True)
         restart = {"relaunch": float("inf"), "in_place": float("inf")}
         for _ in range(args.repeats):
             for mode in ("relaunch", "in_place"):
@@ -192,6 +217,8 @@ def main() -> None:
                 "bench": "launch",
                 "start_s": {p: {n: round(s, 2) for n, s in v.items()} for p, v in start.items()},
                 "start_ratio": {n: round(start["torch_warm"][n] / start["composer"][n], 3) for n in start["composer"]},
+                "start_cpu_s": {p: {n: round(s, 1) for n, s in v.items()} for p, v in cpu.items()},
+                "start_cpu_ratio": {n: round(cpu["torch_warm"][n] / cpu["composer"][n], 3) for n in cpu["composer"]},
                 "restart_s": {k: round(v, 2) for k, v in restart.items()},
                 "restart_ratio": round(restart["in_place"] / restart["relaunch"], 3),
                 "cores": os.cpu_count(),

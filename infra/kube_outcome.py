@@ -118,7 +118,7 @@ def pod_failure(pod: dict, container: str) -> PodFailure | None:
         if code == FATAL:
             who = "the trainer" if container == TRAIN_CONTAINER else f"container {container}"
             return PodFailure(name, uid, "fatal", FATAL, f"pod {name}: {who} exited {FATAL} (fatal)")
-        if code == HUNG:  # infra/launcher.py's watchdog, restarts spent; its line is the container's termination message
+        if code == HUNG:  # the launcher's watchdog, restarts spent; its line is the container's termination message
             said = (terminated.get("message") or "the watchdog found a hung rank").strip().splitlines()[0]
             return PodFailure(name, uid, "disruption", INTERRUPTED, f"pod {name}: {said}", hung=True)
         if code != 0:

@@ -1,13 +1,14 @@
 """The watchdog beside the ranks: a rank that makes no progress for longer than its phase allows is hung.
 
 It runs outside the rank processes, in the launcher's monitor loop (infra/launcher.py, locally and in each
-pod; the launching task keeps one for a stopped launcher, infra/local.py), and reads the heartbeat each rank of
-this node rewrites in TESSERA_HEARTBEAT_DIR (trainers/heartbeat.py; the names are trainers/contract.py's). A rank is hung
-when `now - beat` exceeds its phase's budget (`Budgets.of`): the learned step budget, a size-bound
+pod; the launching task keeps one for a stopped launcher, infra/local.py), and reads the heartbeat each rank
+of this node rewrites in TESSERA_HEARTBEAT_DIR (trainers/heartbeat.py; the names are trainers/contract.py's).
+A rank is hung when `now - beat` exceeds its phase's budget (`Budgets.of`): the learned step budget, a size-bound
 save or load, a first step, an eval batch. Then `stacks()` has each rank write its Python stacks where
 the hang left it (py-spy where installed, else faulthandler on SIGUSR1) and only then wakes a stopped
 one (SIGCONT: it must really die), and the caller kills the ranks, which the launcher restarts in place from
-the last checkpoint (or, its restarts spent, the flow relaunches) as a preemption. The standard library, and pydantic for the budgets' model.
+the last checkpoint (or, its restarts spent, the flow relaunches) as a preemption. The standard library, and
+pydantic for the budgets' model.
 """
 
 from __future__ import annotations

@@ -71,8 +71,9 @@ STACK_SIGNAL = "SIGUSR1"  # asks a rank to write every thread's Python stack (fa
 # Exit codes (trainers/exit_codes.py says what each means); the values avoid 1 (an uncaught exception),
 # 2 (argparse usage) and 128+N (killed by signal N).
 OK, RETRYABLE, INTERRUPTED, FATAL = 0, 75, 76, 78
-# A training pod whose watchdog killed its hung ranks (infra/launcher.py, its restarts in place spent) exits HUNG: the Job's pod failure
-# policy and the JobSet's rules restart the group on it without counting it against maxRestarts, as a preemption.
+# A training pod whose watchdog killed its hung ranks, its restarts in place spent (infra/launcher.py), exits HUNG:
+# the Job's pod failure policy fails the Job on it and the JobSet restarts the group without counting it against
+# maxRestarts, as a preemption.
 HUNG = 79
 
 # The modules a launch's ranks fork from (infra/warm.py): what `python -m trainers.train` imports before its first

@@ -2,7 +2,8 @@
 
 Trains stage K (0-based) up to the cumulative token count of stages 0..K, resuming from the
 job's save folder. Run it under tessera's launcher (torch's elastic agent) for several ranks:
-`python -m infra.launcher --nproc-per-node N -m trainers.train --job JOB.json --stage K`. Exit codes: trainers/exit_codes.py.
+`python -m infra.launcher --nproc-per-node N -m trainers.train --job JOB.json --stage K`.
+Exit codes: trainers/exit_codes.py.
 """
 
 from __future__ import annotations
