@@ -351,7 +351,8 @@ class ComputeConfig(BaseModel):
         description="Restarts of a launch's ranks in place after a rank crashed or hung (the watchdog's verdict): the "
         "same launcher and pods, from the last complete checkpoint, every node together, before the launch ends and "
         "the flow (local) or the cluster (Kubernetes) decides. Each is charged to max_preemptions or max_restarts as "
-        "a relaunch would be. A fatal exit (78) never restarts.",
+        "a relaunch would be. A fatal exit (78) never restarts, nor a rank stopped from outside (76: a SIGTERM, "
+        "its flow gone, a failed preflight): the flow or the cluster decides where that runs next.",
     )
     max_preemptions: int = Field(
         100,

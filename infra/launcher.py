@@ -7,7 +7,8 @@ rendezvous), with what tessera adds around it:
   each rank importing the trainer's dependency chain again; `--cold` starts fresh interpreters (spawn).
 - Restarts in place: a rank that crashes, or that the watchdog finds hung, restarts the node's ranks from the last
   complete checkpoint, in the same launcher (and pod), up to `--max-restarts` times; the agent's rendezvous makes
-  every node restart together. A fatal exit (78) never restarts. Each restart is a `tessera.launcher.record` line.
+  every node restart together. A fatal exit (78) never restarts, nor a rank stopped from outside (76). Each
+  restart is a `tessera.launcher.record` line.
 - The watchdog (infra/watchdog.py) judges this node's heartbeats in the agent's monitor loop when the launch's
   environment carries budgets (TESSERA_WATCHDOG); on a hang it writes every rank's stacks to the log and kills the
   ranks, which is a restart while the budget lasts; when it is spent the launcher exits HUNG (79).
@@ -191,7 +192,10 @@ def _agent_class():
                 self.last_failure = _cause(self._exit_codes(worker_group)) or next(
                     (rank, f.exitcode) for rank, f in result.failures.items()
                 )
-                if self.last_failure[1] == FATAL:  # the input is wrong: a restart reproduces it
+                # 78: the input is wrong, a restart reproduces it. 76: stopped from outside (a SIGTERM, the flow
+                # that launched it gone, a node that failed its preflight): where it runs next is the flow's or the
+                # cluster's to decide, not this node's.
+                if self.last_failure[1] in (FATAL, INTERRUPTED):
                     self._remaining_restarts = 0
             return result
 
