@@ -351,7 +351,8 @@ def run(ns: argparse.Namespace) -> int:
         result = agent.run()
     except SignalException as exc:
         _say(f"tessera.launcher: stopped by {signal.Signals(exc.sigval).name}; the ranks were stopped")
-        _record("end", code=INTERRUPTED, restarts=len(agent.restarts), hung=None, rank=None)
+        codes = {str(r): c for r, c in sorted(agent._exit_codes(agent._worker_group).items())}
+        _record("end", code=INTERRUPTED, restarts=len(agent.restarts), hung=None, rank=None, codes=codes)
         return INTERRUPTED
     finally:
         spec.rdzv_handler.shutdown()
@@ -360,20 +361,25 @@ def run(ns: argparse.Namespace) -> int:
 
 def _end(agent, result) -> int:
     restarts = len(agent.restarts)
+    # every rank of the last attempt that did not succeed, by global rank, once the agent has stopped them all
+    codes = {str(r): c for r, c in sorted(agent._exit_codes(agent._worker_group).items())}
     if not result.is_failed():
-        _record("end", code=0, restarts=restarts, hung=None, rank=None)
+        _record("end", code=0, restarts=restarts, hung=None, rank=None, codes=codes)
         return 0
     if agent.hang is not None:
         line = f"the watchdog found {agent.hang.line()}"
         _say(f"tessera.launcher: {line}; restarts spent ({restarts}), exiting {HUNG}")
-        _record("end", code=HUNG, restarts=restarts, hung=agent.hang.to_json(), rank=agent.hang.rank)
+        _record("end", code=HUNG, restarts=restarts, hung=agent.hang.to_json(), rank=agent.hang.rank, codes=codes)
         _terminate(line)
         return HUNG
     rank, code = agent.last_failure or (None, 1)
     # Killed by signal N reads as -N here; a process exits 128+N, as a shell reports it.
     exit_code = 128 - code if code < 0 else code
-    _say(f"tessera.launcher: rank {rank} failed first with exit code {code}; {restarts} restart(s) in place spent")
-    _record("end", code=code, restarts=restarts, hung=None, rank=rank)
+    _say(
+        f"tessera.launcher: rank {rank} failed first with exit code {code} (every rank: "
+        f"{', '.join(f'{r}: {c}' for r, c in codes.items()) or 'none recorded'}); {restarts} restart(s) in place spent"
+    )
+    _record("end", code=code, restarts=restarts, hung=None, rank=rank, codes=codes)
     return exit_code
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import prefect_api
+from tests.support.training import rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -85,10 +86,10 @@ def run_dir(stack, name: str) -> Path:
 
 
 def trainer_pids(stack, name: str) -> list[int]:
-    """Trainer processes (launcher and ranks) of run `name`, found by their job file."""
+    """Trainer processes (launchers and ranks; a forked rank has its forkserver's command line) of run `name`."""
     job = run_dir(stack, name) / "job.json"
     out = subprocess.run(["pgrep", "-f", f"trainers.train --job {job}"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return sorted({int(p) for p in out.split()} | set(rank_pids(job)))
 
 
 def wait_for_checkpoint(stack, name: str, tokens: int, timeout: float = 600) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 
 from tests.conftest import ROOT, tiny_raw
 from tests.support.mlflow_store import sqlite_store
+from tests.support.training import rank_pids
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +76,9 @@ def kill_trainer_after_first_checkpoint(run_dir, timeout_s: float = 600) -> thre
         while time.monotonic() < deadline and not list_complete(save_folder):
             time.sleep(0.1)
         # this run's rank processes only, never the launcher or anybody else's trainer
-        pattern = f"^[^ ]*python[^ ]* -m trainers.train --job {job_path}"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        pids = rank_pids(job_path)
         for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         killed.extend(pids)
 
     killed: list[str] = []
@@ -101,8 +100,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert state.is_completed(), state.message
     result = state.result()
     killer.join(timeout=5)
-    # one trainer died mid-stage (SIGKILL: a preemption), the stage task relaunched it itself (not a Prefect retry:
-    # those are for failures) and it resumed
+    # the one rank died mid-stage (SIGKILL); its launcher restarted it in place from the last checkpoint (no new
+    # launch, no Prefect retry) and it resumed
     assert len(killer.killed) == 1
 
     # 32 steps of 1024 tokens then 8 of 2048, a checkpoint every 16384 tokens -> 3 evaluated, registered versions
@@ -163,6 +162,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, monkeypatch, prefect_harness):
     assert sum(n == "train_stage" for n in names) == 2  # the killed stage was retried, not re-created
     logs = (tmp_path / "work" / "runs" / "tiny" / "logs" / "literary" / "rank0.log").read_text()
     assert logs.count("fresh at 0 tokens") == 1 and "resume at 16384 tokens" in logs
+    assert "restart 1 in place: rank 0 exited with code -9" in logs
     assert sum(n == "evaluate_checkpoint" for n in names) == 3
     assert sum(n == "register_checkpoint" for n in names) == 3
 

@@ -180,6 +180,38 @@ def live_group_members(pgid: int) -> list[int]:
     return alive
 
 
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every live process."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X"):
+            out[int(entry.name)] = (int(fields[1]), cmdline)
+    return out
+
+
+def rank_pids(job_path: str | Path) -> list[int]:
+    """The rank processes training `job_path`: never its launcher, the launcher's forkserver or a resource tracker.
+    A rank forked warm has its forkserver's command line, so ranks are found by parentage: the children of a
+    launcher's forkserver (warm), the spawned children of a launcher (cold), or a trainer run on its own."""
+    procs = _processes()
+    job = f"trainers.train --job {job_path}"
+    launchers = {p for p, (_, cmd) in procs.items() if "-m infra.launcher " in cmd and cmd.rstrip().endswith(job)}
+    alone = [p for p, (_, cmd) in procs.items() if f"-m {job}" in cmd and "infra.launcher" not in cmd]
+    children = {p: cmd for p, (parent, cmd) in procs.items() if parent in launchers}
+    servers = {p for p, cmd in children.items() if "multiprocessing.forkserver" in cmd}
+    spawned = [p for p, cmd in children.items() if "multiprocessing.spawn" in cmd]
+    forked = [p for p, (parent, _) in procs.items() if parent in servers]
+    return sorted(alone + spawned + forked)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
