@@ -188,7 +188,7 @@ def _processes() -> dict[int, tuple[int, str]]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")  # ends in " "
         except OSError:  # exited meanwhile
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
@@ -202,9 +202,9 @@ def rank_pids(job_path: str | Path) -> list[int]:
     A rank forked warm has its forkserver's command line, so ranks are found by parentage: the children of a
     launcher's forkserver (warm), the spawned children of a launcher (cold), or a trainer run on its own."""
     procs = _processes()
-    job = f"trainers.train --job {job_path}"
-    launchers = {p for p, (_, cmd) in procs.items() if "-m infra.launcher " in cmd and cmd.rstrip().endswith(job)}
-    alone = [p for p, (_, cmd) in procs.items() if f"-m {job}" in cmd and "infra.launcher" not in cmd]
+    job = f"-m trainers.train --job {job_path} "  # the module's arguments come last, --stage after the job
+    launchers = {p for p, (_, cmd) in procs.items() if "-m infra.launcher " in cmd and job in cmd}
+    alone = [p for p, (_, cmd) in procs.items() if job in cmd and "infra.launcher" not in cmd]
     children = {p: cmd for p, (parent, cmd) in procs.items() if parent in launchers}
     servers = {p for p, cmd in children.items() if "multiprocessing.forkserver" in cmd}
     spawned = [p for p, cmd in children.items() if "multiprocessing.spawn" in cmd]
