@@ -1,8 +1,8 @@
 """Peak memory per rank and blocking save time, FSDP2 against DDP: tessera's 125M preset on 2 CPU ranks.
 
-Each run is a real launch of the trainer (`python -m infra.launcher --nproc-per-node 2 ... -m trainers.train`, ranks forked warm, gloo) over a few steps of
-synthetic data, with one checkpoint at the end. Every rank reports its peak resident memory (VmHWM) and how
-long each checkpoint save blocked it (trainers/faults.py, TESSERA_PEAK_LOG).
+Each run is a real launch of the trainer (`python -m infra.launcher --nproc-per-node 2 ... -m trainers.train`,
+ranks forked warm, gloo) over a few steps of synthetic data, with one checkpoint at the end. Every rank reports its
+peak resident memory (VmHWM) and how long each checkpoint save blocked it (trainers/faults.py, TESSERA_PEAK_LOG).
 
 - `ddp` (the anchor, `train.parallelism.sharding: NO_SHARD`): each rank holds the whole model, its gradients
   and AdamW's two moments (16 bytes a parameter), plus DDP's gradient buckets; rank 0 writes one file.
