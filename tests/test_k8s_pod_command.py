@@ -139,7 +139,8 @@ def test_a_pods_exit_code_is_its_first_failing_ranks():
         "kubernetes": {**CPU_ONE_NODE["kubernetes"], "master_port": free_port()},
     }
     ((code, out),) = _run(_pod_processes(raw, ["peer", "78"]))
-    assert "tessera.launcher: rank 1 failed first with exit code 78; 0 restart(s) in place spent" in out, out
+    assert "tessera.launcher: rank 1 failed first with exit code 78 (every rank: 0: " in out, out
+    assert ", 1: 78); 0 restart(s) in place spent" in out, out
     assert "restart 1 in place" not in out
     assert code == 78
 

@@ -174,10 +174,11 @@ def _launch_once(
     )
     logger.info("stage %s: launched %d rank(s) per node, log at %s", stage_name, compute.ranks_per_node, job.log_path)
     avoid = job.avoid_node if compute.kubernetes and compute.kubernetes.avoid_slow_nodes else None
-    result = _run_once(job, ProgressRelay(logger, relay_name, stage_name, avoid_node=avoid))
+    relay = ProgressRelay(logger, relay_name, stage_name, avoid_node=avoid)
+    result = _run_once(job, relay)
     code, hang = result.code, result.hung
     kind = exit_kind(code)
-    for restart in result.restarts:
+    for restart in (r for r in result.restarts if r.attempt not in relay.restarts_said):  # each said once
         logger.warning(
             "stage %s: %s; the launcher restarted the ranks from the last checkpoint", stage_name, restart.line()
         )

@@ -140,6 +140,7 @@ class ProgressRelay:
     ):
         self.logger, self.run_name, self.stage, self.every_s = logger, run_name, stage, every_s
         self.latest: dict | None = None
+        self.restarts_said: set[int] = set()  # the restarts in place said live (the stage task says the others)
         self._reported: dict | None = None
         self._last_report = float("-inf")
         self._artifact_id: UUID | None = None
@@ -173,6 +174,7 @@ class ProgressRelay:
                 continue
             restarts, _ = read_records(line)  # the launcher's restarts in place, said as they happen
             for restart in restarts:
+                self.restarts_said.add(restart.attempt)
                 self.logger.warning(
                     "stage %s: %s; the launcher restarts the ranks from the last checkpoint", self.stage, restart.line()
                 )
