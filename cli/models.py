@@ -17,8 +17,11 @@ if TYPE_CHECKING:  # the flows import Prefect: `tessera --help` does not wait fo
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from evaluation.models import refuse_early
+
+    for model in filter(None, (args.model, args.compare_to)):  # what the files tell: before any server starts
+        refuse_early(model, trust=args.trust_checkpoint)
     work_prefect_home(args.work_dir)
-    install_log_filter()
     outcome = eval_command(
         args.model,
         args.tasks,
@@ -44,14 +47,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Score two models on one gauntlet and keep the delta tables and plot."""
+    from evaluation.models import refuse_early
     from tasks.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
+    for model in (args.a, args.b):  # what the files tell: before any server starts
+        refuse_early(model, trust=args.trust_checkpoint)
     work_prefect_home(recipe.work_dir)
     from tasks.artifacts import artifact_key
     from tasks.mlflow_run import resolved_uri
 
-    install_log_filter()
     out = args.output_dir or str(Path(recipe.work_dir) / "compare" / artifact_key(args.a, "vs", args.b))
     ev = recipe.eval
     outcome = eval_command(
@@ -87,11 +92,11 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from tasks.registry.promote import promote_by_hand
 
     recipe = load_recipe(args.recipe)
-    work_prefect_home(recipe.work_dir)  # the promotion lock is a Prefect concurrency limit
     ref = args.model.removeprefix("models:/")
     name, _, version = ref.rpartition("/")
     if not args.model.startswith("models:/") or not name or not version.isdigit():
         raise RecipeError(f"{args.model}: expected models:/NAME/N (a version number, not an alias)")
+    work_prefect_home(recipe.work_dir)  # the promotion lock is a Prefect concurrency limit
     client = client_for(recipe.tracking)
     from mlflow.exceptions import MlflowException
 
@@ -147,6 +152,7 @@ def eval_command(model: str, tasks: str, gauntlet: str | None = None, data_root:
     and their defaults). Raises evaluation.GauntletError (one line) on bad input."""
     from flows.evaluate import EvalParams, eval_flow
 
+    install_log_filter()  # after Prefect's import: the filter goes on the handlers its logging set-up made
     if unknown := sorted(set(more) - set(EvalParams.model_fields)):  # the form ignores extra keys; a caller may not
         raise TypeError(f"eval_command() got unexpected keyword arguments {unknown}")
     return eval_flow(EvalParams(model=model, tasks=tasks, gauntlet=gauntlet, data_root=data_root, **more))

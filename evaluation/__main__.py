@@ -122,7 +122,8 @@ def _verified(path: str, args: argparse.Namespace) -> str:
     """The checkpoint as downloaded, if it is every byte the trainer published: the same check as in-process."""
     from evaluation.models import check_checkpoint
 
-    if Path(path).is_file() or args.files:  # an HF dir or models:/ URI has no manifest to check against
+    # an HF dir or a models:/ URI has no manifest to check against
+    if Path(path).is_file() or args.files or (Path(path) / ".metadata").is_file():
         check_checkpoint(path, args.sha256, shown=args.checkpoint, files=_files(args))
     return path
 
@@ -188,7 +189,9 @@ def _score(args: argparse.Namespace, cfg, tmp: Path):
     from evaluation.runner import run_gauntlet
 
     files = json.loads(args.files) if args.files else None
-    loaded = load_model(_verified(_local_checkpoint(args.checkpoint, tmp, files), args), args.tracking_uri)
+    loaded = load_model(
+        _verified(_local_checkpoint(args.checkpoint, tmp, files), args), args.tracking_uri, verified=True
+    )
     report = run_gauntlet(
         loaded.model, loaded.tokenizer, cfg, args.context_len or args.max_seq_len or loaded.max_seq_len
     )

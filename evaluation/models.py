@@ -7,6 +7,7 @@ URI (`models:/name@alias`, `models:/name/3`) whose artifact is an HF model direc
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.errors import GauntletError
-from trainers.format.checkpoints import damage, folder_damage
+from trainers.format.checkpoints import Checked, DamagedCheckpoint, verify
 from trainers.format.mlflow_model import download_model
 from trainers.format.model_dirs import is_mlflow_model
 
@@ -50,9 +51,14 @@ def _from_hf_folders(path: Path, source: str, trust: bool) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, model_max_seq_len(model), source)
 
 
-def _from_composer(path: str, trust: bool) -> LoadedModel:
+def _from_composer(path: str, trust: bool, verified: bool) -> LoadedModel:
     from trainers.format.export import load_hf
     from trainers.format.safe_load import UnsafeCheckpoint
+
+    if not verified:
+        checked = check_checkpoint(path, None)
+        if not checked.by_manifest:
+            logging.getLogger("tessera.eval").warning("%s", checked.line)
 
     try:
         model, tokenizer = load_hf(path, trust=trust)
@@ -125,38 +131,78 @@ def _from_mlflow_model(path: Path, source: str, trust: bool) -> LoadedModel:
     return LoadedModel(model, parts["tokenizer"], model_max_seq_len(model), source)
 
 
-def check_checkpoint(path: str, sha256: str | None, shown: str | None = None, files: list | None = None) -> None:
-    """Refuse a Composer checkpoint that is not every byte the trainer published.
+def check_checkpoint(path: str, sha256: str | None, shown: str | None = None, files: list | None = None) -> Checked:
+    """Refuse a Composer checkpoint that is not every byte the trainer published; returns how it was checked.
 
-    torch.load checks nothing, so a flipped byte would be scored (and then registered). With the
-    manifest's SHA-256 the whole file is compared; without one, its zip CRCs; a sharded folder's
-    files each against the manifest's list (`files`). `shown` names the file in the error when it was
-    downloaded from elsewhere.
+    torch.load checks nothing, so a flipped byte would be scored (and then registered). The format package's
+    check (trainers/format/checkpoints.verify): the manifest's SHA-256 or file list, given or found beside the
+    checkpoint, else its zip CRCs. `shown` names the file in the error when it was downloaded from elsewhere.
     """
-    why = folder_damage(path, files) if files is not None else damage(path, sha256)
-    if why is not None:
-        raise GauntletError(f"{shown or path}: damaged checkpoint, not evaluated: {why}")
+    try:
+        return verify(path, shown=shown, sha256=sha256, files=files)
+    except DamagedCheckpoint as exc:
+        raise GauntletError(f"{exc.name}: damaged checkpoint, not evaluated: {exc.why}") from None
 
 
-def load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
+def refuse_early(spec: str, *, trust: bool = False) -> None:
+    """What `load_model` would refuse about `spec` that its own files tell, in one GauntletError line, before the
+    command starts a Prefect server or the flow scores anything (seconds, where that took twenty): a missing path,
+    a folder that is no model, a flavor or an `auto_map` that names code, a pickle (a Composer checkpoint, an HF
+    `.bin`) that needs more than tensors. Pickles are read mapped, weights-only: the tensors' bytes are not read
+    and nothing the file names runs. A registry URI (models:/, runs:/) needs the MLflow server: the flow checks it.
+    Bytes that differ from a manifest are the load's to find (it hashes the file once, as it reads it)."""
+    from trainers.format.model_dirs import hf_folders, refuse_custom_code
+    from trainers.format.safe_load import UnsafeCheckpoint, load
+
+    if spec.startswith(("models:/", "runs:/")) or trust:
+        return
+    path = Path(spec)
+    try:
+        if path.is_dir():
+            if (path / ".metadata").is_file():  # a sharded Composer checkpoint: its index, as the load reads it
+                from trainers.format.sharded import tensor_keys
+
+                tensor_keys(path, "state.model.")
+                return
+            if not is_mlflow_model(path) and not (path / "config.json").is_file():
+                raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
+            folders = hf_folders(path)
+            for folder in {folders.model, folders.tokenizer}:
+                refuse_custom_code(folder)
+            for weights in sorted(folders.model.glob("*.bin")):
+                load(weights, mmap=True)
+        elif path.is_file():
+            load(path, mmap=True)
+        else:
+            raise GauntletError(f"{spec}: no such checkpoint file, HF model directory or MLflow model URI")
+    except UnsafeCheckpoint as exc:
+        raise GauntletError(str(exc)) from None
+
+
+def load_model(
+    spec: str, tracking_uri: str | None = None, *, trust: bool = False, verified: bool = False
+) -> LoadedModel:
     """Load M for scoring; refused in one line when its head has fewer rows than its tokenizer has ids (see
     _load_model for the rest)."""
     from evaluation.runner import vocabulary_mismatch
 
-    loaded = _load_model(spec, tracking_uri, trust=trust)
+    loaded = _load_model(spec, tracking_uri, trust=trust, verified=verified)
     why = vocabulary_mismatch(loaded.model, loaded.tokenizer)
     if why is not None:
         raise GauntletError(f"{spec}: {why}")
     return loaded
 
 
-def _load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = False) -> LoadedModel:
+def _load_model(
+    spec: str, tracking_uri: str | None = None, *, trust: bool = False, verified: bool = False
+) -> LoadedModel:
     """Load M for scoring on CPU (or wherever the caller later moves it).
 
     Nothing M names runs code while it loads unless `trust` (--trust-checkpoint): a Composer checkpoint goes
     through the weights-only unpickler; HF directories and MLflow models through trainers/format/model_dirs.py,
     which refuses an MLflow `code` directory and an `auto_map`, and reads weights with transformers, safetensors
-    or weights-only `.bin`. Each refusal is one GauntletError line naming the file.
+    or weights-only `.bin`. Each refusal is one GauntletError line naming the file. A Composer checkpoint is
+    verified first (check_checkpoint, against the manifest beside it) unless the caller has (`verified`).
     """
     if spec.startswith("models:/") or spec.startswith("runs:/"):
         return _from_mlflow(spec, tracking_uri, trust)
@@ -165,10 +211,10 @@ def _load_model(spec: str, tracking_uri: str | None = None, *, trust: bool = Fal
         if is_mlflow_model(path):
             return _from_mlflow_model(path, spec, trust)
         if (path / ".metadata").is_file():  # a sharded Composer checkpoint (trainers/format/sharded.py)
-            return _from_composer(spec, trust)
+            return _from_composer(spec, trust, verified)
         if not (path / "config.json").is_file():
             raise GauntletError(f"{spec}: directory has no config.json; expected an HF model directory")
         return _from_hf_folders(path, spec, trust)
     if path.is_file():
-        return _from_composer(spec, trust)
+        return _from_composer(spec, trust, verified)
     raise GauntletError(f"{spec}: no such checkpoint file, HF model directory or MLflow model URI")

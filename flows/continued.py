@@ -28,7 +28,7 @@ from tasks import consumed_files, continuation
 from tasks.artifacts import artifact_key
 from tasks.mlflow_run import client_for
 from tasks.recipe import NAME_PATTERN, Recipe, load_recipe
-from tasks.recipe_form import PeakLR, form_input
+from tasks.recipe_form import COMPILE_HELP, CompileChoice, PeakLR, form_input
 from tasks.registry.aliases import reconcile_registry
 from tasks.registry.promote import Decision, champion_version, promote_challenger
 from tasks.registry.register import CHAMPION_ALIAS, checkpoint_of
@@ -95,6 +95,7 @@ class ContinueParams(RecipeTarget):
         description="No category may fall significantly further than this, 0 or more. Empty: the recipe's "
         "promote.max_category_drop.",
     )
+    compile: CompileChoice = Field("recipe", title="Compile the model", description=COMPILE_HELP)
     if_running: Literal["refuse", "wait"] = Field(
         "refuse",
         title="If a run of this name is live",
@@ -126,8 +127,10 @@ def _flow_run_name() -> str:
     return f"{_prefix(params)}-cpt"
 
 
-def _record_end(flow, flow_run_, state) -> None:
+def _record_end(flow, flow_run, state) -> None:
     """on_crashed / on_cancellation: mark the continued run's MLflow run, as pretrain_pipeline's hook does.
+
+    Prefect's runner passes the hook's arguments by keyword (`flow`, `flow_run`, `state`): the names are its API.
 
     The run name was derived inside the flow; the flow run carries it as its `run:<name>` tag once it has
     started the run, and before that no MLflow run was opened.
@@ -139,16 +142,16 @@ def _record_end(flow, flow_run_, state) -> None:
     if state.name == REFUSED:
         return
     if state.is_cancelling() or state.is_cancelled():  # first: the runner's own Cancelled comes after the hooks
-        keep_last_word(flow_run_.id)
+        keep_last_word(flow_run.id)
     try:
         with get_client(sync_client=True) as client:
-            tags = client.read_flow_run(flow_run_.id).tags
+            tags = client.read_flow_run(flow_run.id).tags
         run_name = next((t.removeprefix("run:") for t in tags if t.startswith("run:")), None)
-        recipe = load_recipe(dict(flow_run_.parameters["params"])["recipe"])
+        recipe = load_recipe(dict(flow_run.parameters["params"])["recipe"])
     except Exception:  # noqa: BLE001 - nothing the hook can do; the flow run's own state says what happened
         return
     if run_name:
-        record_flow_run_end(flow_run_, state, recipe.tracking, run_name)
+        record_flow_run_end(flow_run, state, recipe.tracking, run_name)
 
 
 @flow(
@@ -292,9 +295,9 @@ def _verdict_state(outcome: ContinueResult):
     if decision.accepted:
         message = f"challenger v{outcome.challenger} is the champion now: {decision.summary()}"
     else:
-        message = (
+        message = (  # why, last: "within noise", "less than promote.min_gain", a category's fall
             f"REJECTED: challenger v{outcome.challenger} not promoted, v{outcome.champion} stays champion: "
-            f"{decision.summary()}"
+            f"{decision.summary()}" + "".join(f"; {reason}" for reason in decision.reasons)
         )
     return Completed(name=PROMOTED if decision.accepted else NOT_PROMOTED, message=message, data=outcome)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 # The backends this build can launch on; the Prefect form renders it as a dropdown.
@@ -291,10 +291,16 @@ class KubernetesConfig(_Kube):
     mlflow_credentials: SecretRef | None = Field(
         None, description="Secret with the MLflow credentials (MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN)."
     )
+    secrets: list[SecretRef] = Field(
+        default_factory=list,
+        description="Any other credential a pod needs (WANDB_API_KEY, HF_TOKEN ...): Secrets of the namespace, each "
+        "with `keys` (environment variable -> key in the Secret), each variable a secretKeyRef in every training, "
+        "evaluation and prepare pod. Values never leave the Secret: manifests and MLflow's params name them.",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Plain environment of every pod (AWS_ENDPOINT_URL, NCCL_* ...). Credentials are refused here: "
-        "use s3_credentials / mlflow_credentials.",
+        "use s3_credentials / mlflow_credentials / secrets.",
     )
     eval_gpus: int = Field(1, ge=0, description="GPUs of each checkpoint's evaluation pod.")
     eval_cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU each evaluation pod requests.")
@@ -315,15 +321,44 @@ class KubernetesConfig(_Kube):
         if named:
             raise ValueError(
                 f"{', '.join(named)}: looks like a credential (its name); credentials go in a Secret "
-                "(s3_credentials / mlflow_credentials), never in env"
+                "(s3_credentials / mlflow_credentials / secrets), never in env"
             )
         in_urls = sorted(k for k, v in env.items() if _URL_WITH_PASSWORD.search(str(v)))
         if in_urls:
             raise ValueError(
                 f"{', '.join(in_urls)}: its value is a URL with a password in it; credentials go in a Secret "
-                "(s3_credentials / mlflow_credentials), never in env"
+                "(s3_credentials / mlflow_credentials / secrets), never in env"
             )
         return env
+
+    @field_validator("secrets")
+    @classmethod
+    def _named_keys(cls, secrets: list[SecretRef]) -> list[SecretRef]:
+        bare = [ref.name for ref in secrets if not ref.key_map]
+        if bare:
+            raise ValueError(
+                f"{', '.join(bare)}: name the variables this Secret gives, `keys: {{VARIABLE: key-in-secret}}` "
+                "(a whole Secret goes through s3_credentials or mlflow_credentials)"
+            )
+        return secrets
+
+    @model_validator(mode="after")
+    def _one_source_per_variable(self) -> KubernetesConfig:
+        seen: dict[str, str] = {}
+        twice = set()
+        for where, names in [
+            ("env", list(self.env)),
+            *[(f"s3_credentials {r.name}", list(r.key_map)) for r in [self.s3_credentials] if r is not None],
+            *[(f"mlflow_credentials {r.name}", list(r.key_map)) for r in [self.mlflow_credentials] if r is not None],
+            *[(f"secrets {r.name}", list(r.key_map)) for r in self.secrets],
+        ]:
+            for name in names:
+                if name in seen:
+                    twice.add(f"{name} ({seen[name]} and {where})")
+                seen.setdefault(name, where)
+        if twice:
+            raise ValueError(f"each variable comes from one place, and these come from two: {', '.join(sorted(twice))}")
+        return self
 
 
 class ComputeConfig(BaseModel):

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from infra.launch_outcome import RECORD_PREFIX, Restart
-from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder
+from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder, report_then_kill
 from trainers.contract import (
     FATAL,
     HEARTBEAT_DIR_ENV,
@@ -74,7 +74,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _say(text: str) -> None:
-    sys.stdout.write(text + "\n")
+    _say_raw(text + "\n")
+
+
+def _say_raw(text: str) -> None:
+    sys.stdout.write(text)
     sys.stdout.flush()
 
 
@@ -209,15 +213,16 @@ def _agent_class():
         def _kill_hung(self, hang: Hang, pids: list[int]) -> None:
             assert self.watchdog is not None
             self.hang = hang
-            stacks = self.watchdog.stacks()  # before any rank is woken: see its docstring
-            _say(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the ranks are killed")
-            _say(stacks)
-            for pid in pids:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
+
+            def kill() -> None:
+                for pid in pids:
+                    for sig in (signal.SIGCONT, signal.SIGKILL):
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
+
+            report_then_kill(self.watchdog, hang, _say_raw, kill, "the ranks are killed")
 
         def _restart_workers(self, worker_group) -> None:
             attempt = len(self.restarts) + 1

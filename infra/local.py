@@ -27,7 +27,7 @@ from infra.config import ComputeConfig
 from infra.joblog import JobLog
 from infra.launch_outcome import RECORD_PREFIX, LaunchOutcome, Restart, hang_of, read_records
 from infra.lifecycle import forget, launching
-from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder, process_state, signal_group
+from infra.watchdog import Budgets, Hang, Watchdog, fresh_folder, process_state, report_then_kill, signal_group
 
 # The trainer's side of the contract (trainers/supervisor.py reads it): infra imports only that module of trainers.
 from trainers.contract import HEARTBEAT_DIR_ENV, WATCHDOG_ENV
@@ -74,14 +74,18 @@ class LocalJob:
 
     def _kill_hung(self, watchdog: Watchdog, hang: Hang) -> None:
         group = self.process.pid
-        stacks = watchdog.stacks()  # before any rank is woken: see its docstring
         self._outer_hang = hang
-        with open(self.log_path, "a") as log:
-            log.write(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then the group is killed\n")
-            log.write(stacks + "\n")
-            log.write("tessera.watchdog: killed the group; the flow relaunches it from the last checkpoint\n")
-        signal_group(group, signal.SIGCONT)
-        signal_group(group, signal.SIGKILL)
+
+        def write(text: str) -> None:
+            with open(self.log_path, "a") as log:
+                log.write(text)
+                log.write("tessera.watchdog: killed the group; the flow relaunches it from the last checkpoint\n")
+
+        def kill() -> None:
+            signal_group(group, signal.SIGCONT)
+            signal_group(group, signal.SIGKILL)
+
+        report_then_kill(watchdog, hang, write, kill, "the group is killed")
 
     def new_output(self, max_bytes: int = 4 << 20) -> list[str]:
         """Complete lines of rank 0's output written since the last call (this launch's only)."""

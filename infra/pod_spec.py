@@ -86,7 +86,7 @@ def _env(cfg: KubernetesConfig, extra: Mapping[str, str]) -> tuple[list[dict], l
         plain.setdefault(CACHE_ENV, CACHE_DIR)
     env = [{"name": k, "value": v} for k, v in plain.items()]
     env_from = []
-    for ref in (cfg.s3_credentials, cfg.mlflow_credentials):
+    for ref in (cfg.s3_credentials, cfg.mlflow_credentials, *cfg.secrets):
         if ref is None:
             continue
         if ref.key_map:

@@ -261,6 +261,24 @@ class Watchdog:
             return 0
 
 
+def report_then_kill(watchdog: Watchdog, hang: Hang, write, kill, then: str) -> None:
+    """Write the hang's line and every rank's stacks with `write`, then `kill` the ranks.
+
+    The kill is in a `finally` and the report is best-effort: a log on a full disk (ENOSPC), or a closed one,
+    must never leave a hung group running for good, which it did when the write's error ended the watchdog
+    before its kill. What could not be written is said on stderr if that still works."""
+    try:
+        stacks = watchdog.stacks()  # before any rank is woken: see its docstring
+        write(f"tessera.watchdog: {hang.line()}; every rank's stacks follow, then {then}\n{stacks}\n")
+    except (OSError, ValueError) as exc:  # ValueError: a write to a closed file
+        try:
+            os.write(2, f"tessera.watchdog: {hang.line()}; could not write its report ({exc}); {then}\n".encode())
+        except OSError:
+            pass
+    finally:
+        kill()
+
+
 def _spy_dumps(spy: str, pids: list[int]) -> str | None:
     """Every pid's stacks read by py-spy without waking or pausing it (--nonblocking); None if any dump failed, for
     faulthandler to answer instead."""

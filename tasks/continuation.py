@@ -15,6 +15,7 @@ from tasks.consumed_files import Consumed
 from tasks.data.config import DataConfig
 from tasks.mlflow_run import client_for
 from tasks.recipe import Recipe, RecipeError
+from tasks.recipe_form import COMPILE_CHOICES
 from tasks.registry.register import CHAMPION_ALIAS
 from tasks.tracking_config import TrackingConfig
 from trainers.contract import EXIT_FAILED, OneLineError
@@ -102,7 +103,7 @@ def run_name(prefix: str, version: str, files: list[Consumed]) -> str:
 
 
 # What the form says of how to continue, as `derive` takes it.
-HOW = ("replay_fraction", "rewarm_fraction", "lr", "schedule", "min_gain", "max_category_drop")
+HOW = ("replay_fraction", "rewarm_fraction", "lr", "schedule", "min_gain", "max_category_drop", "compile")
 
 
 def describe(run_name: str, recipe: Recipe, continued: Recipe, budget: int, replay_fraction: float) -> str:
@@ -110,8 +111,9 @@ def describe(run_name: str, recipe: Recipe, continued: Recipe, budget: int, repl
     optim = continued.train.optim
     return (
         f"continued run {run_name}: {budget} tokens ({100 * replay_fraction:.0f}% replay of "
-        f"{', '.join(recipe.train.stages[-1].mixture)}), LR {optim.lr:g} rewarmed over {optim.warmup_tokens} tokens "
-        f"then {optim.schedule} decay"
+        f"{', '.join(recipe.train.stages[-1].mixture)}), LR {optim.lr:g} "
+        + (f"rewarmed over {optim.warmup_tokens:,} tokens" if optim.warmup_tokens else "from its first step, no rewarm")
+        + f", then {optim.schedule} decay"
     )
 
 
@@ -138,6 +140,7 @@ def derive(
     schedule: str,
     min_gain: float | None,
     max_category_drop: float | None,
+    compile: str = "recipe",
 ) -> dict:
     """The continued run's recipe (raw; `step` the tokens of one step): one stage over the new source plus
     replay of the last stage's mixture, from the base's weights (and its checkpoint's optimizer state), LR rewarmed
@@ -163,4 +166,6 @@ def derive(
         raw["promote"]["min_gain"] = min_gain
     if max_category_drop is not None:
         raw["promote"]["max_category_drop"] = max_category_drop
+    if COMPILE_CHOICES[compile] is not None:  # the form's choice; `recipe` keeps the base recipe's
+        raw["train"]["compile"] = COMPILE_CHOICES[compile]
     return raw

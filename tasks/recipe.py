@@ -123,6 +123,8 @@ class Recipe(BaseModel):
         kube = (dump["compute"].get("kubernetes") or {}) if isinstance(dump["compute"], dict) else {}
         if kube.get("env"):
             kube["env"] = ",".join(sorted(kube["env"]))
+        if kube.get("secrets"):  # which Secret gives which variable: names only, as manifests carry them
+            kube["secrets"] = ",".join(f"{r['name']}:{var}" for r in kube["secrets"] for var in sorted(r["key_map"]))
         for section in ("model", "eval", "compute"):
             flatten(section, dump[section])
         train = {k: v for k, v in dump["train"].items() if k != "stages"}

@@ -44,6 +44,15 @@ class StageBudget(BaseModel):
     )
 
 
+# The form's train.compile choices, and the recipe value each stands for (None: the recipe's own).
+CompileChoice = Literal["recipe", "auto", "on", "off"]
+COMPILE_CHOICES: dict[str, bool | str | None] = {"recipe": None, "auto": "auto", "on": True, "off": False}
+COMPILE_HELP = (
+    "train.compile: `recipe` keeps the recipe's choice; `auto` compiles on GPUs and trains eager if compiling fails "
+    "there (a warning says why); `on` compiles anywhere and a failure to compile stops the run; `off` trains eager."
+)
+
+
 class RecipeOverrides(BaseModel):
     """Fields a person changes from the Prefect form without editing the recipe; left empty, the recipe's value stays.
 
@@ -73,6 +82,7 @@ class RecipeOverrides(BaseModel):
         description="Where training runs (compute.backend): `recipe` keeps the recipe's choice, `local` trains in "
         "processes on the worker's machine, `kubernetes` in pods.",
     )
+    compile: CompileChoice = Field("recipe", title="Compile the model", description=COMPILE_HELP)
     procs_per_node: Annotated[int | None, *form_input({"type": "integer", "minimum": 1, "maximum": 64})] = Field(
         None,
         ge=1,
@@ -103,6 +113,7 @@ class RecipeOverrides(BaseModel):
             ("eval", "every"): self.eval_every,
             ("compute", "backend"): None if self.backend == "recipe" else self.backend,
             ("compute", "procs_per_node"): self.procs_per_node,
+            ("train", "compile"): COMPILE_CHOICES[self.compile],
             ("tracking", "tracking_uri"): self.tracking_uri,
         }
         out = {path: value for path, value in fields.items() if value is not None}

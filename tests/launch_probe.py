@@ -3,6 +3,7 @@
 exit N     rank 0 exits N, the others 0
 sleep S    every rank sleeps S seconds
 peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 76 (interrupted) as the trainer does
+freeze S   every rank starts its heartbeat (phase startup); rank 1 stops itself (SIGSTOP), rank 0 sleeps S seconds
 """
 
 import os
@@ -14,6 +15,13 @@ if __name__ == "__main__":
     print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} master={os.environ['MASTER_ADDR']}", flush=True)
     mode, value = sys.argv[1], int(sys.argv[2])
     rank = os.environ["RANK"]
+    if mode == "freeze":
+        from trainers import heartbeat
+
+        heartbeat.start()
+        if rank == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(value)
     if mode == "sleep":
         time.sleep(value)
     if mode == "peer":

@@ -105,6 +105,65 @@ def test_a_microbatch_size_compiles_once_and_never_again(monkeypatch):
     torch._dynamo.reset()
 
 
+def _failing_backend(gm, example_inputs):
+    """A torch.compile backend that cannot compile, as inductor fails on a GPU Triton does not support."""
+    raise RuntimeError("Found NVIDIA GH-42 which is too old to be supported by the triton GPU compiler")
+
+
+def test_a_failure_to_compile_trains_eager_under_auto_and_is_one_fatal_line_under_true(caplog):
+    """The compile guard (trainers/compile.Guard) with a backend that raises, through compile_blocks' and
+    use_fused_loss' own seam: `auto` warns once, tags the run through `on_fallback`, keeps the heartbeat's phase,
+    and trains with the loss and gradients of the eager model; `true` is one fatal line and nothing trained."""
+    import logging
+
+    import torch._dynamo
+
+    import trainers.lm_loss as lm_loss
+    from trainers.compile import Guard, compile_blocks, watch
+    from trainers.exit_codes import FatalError
+    from trainers.model import build_model
+
+    ids = torch.randint(0, 64, (4, SEQ))
+    eager = build_model(ModelConfig(n_layers=2), 64, SEQ, 0, seed=1)
+    lm_loss.use_fused_loss(eager)
+    reference = eager(input_ids=ids, labels=ids).loss
+    reference.backward()
+
+    torch._dynamo.reset()
+    watch()
+    caplog.set_level(logging.WARNING, logger="tessera.compile")
+    tagged: list[str] = []
+    guard = Guard(fatal=False)
+    guard.on_fallback = tagged.append
+    model = build_model(ModelConfig(n_layers=2), 64, SEQ, 0, seed=1)
+    assert compile_blocks(model, _failing_backend, guard) == 2
+    lm_loss.use_fused_loss(model, guard)
+    for _ in range(2):  # the second step goes straight to eager: one warning, one tag
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert torch.equal(loss, reference)
+    for (name, ours), theirs in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad), name
+    assert guard.fallback is not None and "too old to be supported by the triton GPU compiler" in guard.fallback
+    assert tagged == [guard.fallback] and "\n" not in guard.fallback
+    warned = [r.getMessage() for r in caplog.records if r.name == "tessera.compile"]
+    assert warned == [f"train.compile is auto and compiling failed, so this launch trains eager: {guard.fallback}"]
+    assert watch()._started is None  # the compile phase ended with the failed compile
+
+    torch._dynamo.reset()
+    strict = Guard(fatal=True)
+    model = build_model(ModelConfig(n_layers=2), 64, SEQ, 0, seed=1)
+    compile_blocks(model, _failing_backend, strict)
+    with pytest.raises(FatalError) as refused:
+        model(input_ids=ids, labels=ids)
+    line = str(refused.value)
+    assert line.startswith("train.compile is true and compiling failed: BackendCompilerFailed: ") and "\n" not in line
+    assert "too old to be supported" in line and strict.fallback is None
+    assert not [p for p in model.parameters() if p.grad is not None]
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- real launches
 
 

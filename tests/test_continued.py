@@ -192,7 +192,8 @@ def test_continued_pretraining_promotes_by_the_rule_and_consumes_each_file_once(
     assert (run2.state.type.value, run2.state.name) == ("COMPLETED", "Not promoted")
     assert run2.state.message.startswith(
         f"REJECTED: challenger v{two.challenger} not promoted, v{one.challenger} stays champion: "
-    ) and run2.state.message.endswith(two.decision.summary())
+    ) and run2.state.message.endswith(f"{two.decision.summary()}; {'; '.join(two.decision.reasons)}")
+    assert "less than promote.min_gain +1.0000" in run2.state.message  # why, in the state a person reads first
     assert "promotion:rejected" in run2.tags
     loser = client.get_model_version(name, str(two.challenger))
     assert loser.tags["promotion"] == "rejected" and "less than promote.min_gain +1.0000" in " ".join(

@@ -68,3 +68,38 @@ def test_a_refused_run_or_one_that_never_started_closes_nothing(tmp_path):
     tracking, flow_run, run_id = _setup(tmp_path / "b", None)  # stopped before it derived its run name
     _record_end(None, flow_run, Cancelled(message="cancelled early"))
     assert _status(tracking, run_id) == "RUNNING"
+
+
+@pytest.mark.parametrize("which", ["pretrain_pipeline", "continued_pretraining"])
+def test_prefects_runner_calls_each_flows_end_hooks_by_keyword_and_they_close_the_run(tmp_path, which, caplog):
+    """Prefect's runner (its HookRunner, what a worker runs after a cancel or a crash) passes `flow`, `flow_run` and
+    `state` by keyword: a hook whose parameter had another name raised TypeError there and the run stayed open."""
+    import asyncio
+    import logging
+
+    from prefect.runner._hook_runner import HookRunner
+    from prefect.states import Cancelling, Crashed
+
+    import flows.continued
+    import flows.pipeline
+
+    the_flow = {"pretrain_pipeline": flows.pipeline.pretrain_pipeline}.get(which, flows.continued.continued_pretraining)
+
+    async def resolve(_flow_run):
+        return the_flow
+
+    runner = HookRunner(resolve_flow=resolve)
+    caplog.set_level(logging.INFO)
+    for sub, call, state, status in (
+        ("c", runner.run_cancellation_hooks, Cancelling(message="cancelled from the UI"), "KILLED"),
+        ("x", runner.run_crashed_hooks, Crashed(message="worker lost"), "FAILED"),
+    ):
+        # the pretrain flow names its run from params (run_name), the continued one from the `run:` tag
+        tracking, flow_run, run_id = _setup(tmp_path / sub, "weekly-cpt-v1-0123abcd")
+        flow_run.parameters["params"]["run_name"] = "weekly-cpt-v1-0123abcd"
+        asyncio.run(call(flow_run, state))
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert errors == [], errors
+        assert any("finished running successfully" in r.getMessage() for r in caplog.records)
+        assert _status(tracking, run_id) == status
+        caplog.clear()

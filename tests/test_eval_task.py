@@ -122,6 +122,23 @@ def test_a_damaged_checkpoint_is_not_scored(
     with pytest.raises(GauntletError, match=rf"^{damaged}: damaged checkpoint, not evaluated: CRC-32 mismatch in "):
         one()
 
+    # `tessera eval/compare --model FILE` of a run's checkpoint: verified against the manifest beside it
+    from evaluation.models import load_model
+    from trainers.format.checkpoints import file_sha256, publish
+
+    save = tmp_path / "save"
+    save.mkdir()
+    copy = save / "ckpt.pt"
+    copy.write_bytes(path.read_bytes())
+    publish(save, CheckpointInfo(path=str(copy), tokens=4096, batch=1, stage="s0", stage_index=0))
+    published = file_sha256(copy)
+    copy.write_bytes(bytes(data))
+    with pytest.raises(GauntletError) as refused:
+        load_model(str(copy))
+    assert str(refused.value) == (
+        f"{copy}: damaged checkpoint, not evaluated: SHA-256 {file_sha256(copy)} is not the {published} published"
+    )
+
 
 def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
     composer_checkpoint, small_gauntlet, tmp_path, capsys
@@ -165,7 +182,7 @@ def test_the_evaluation_pod_refuses_what_the_in_process_task_refuses(
     assert main(["--checkpoint", str(damaged), "--sha256", published, *common]) == EXIT_FATAL
     err = capsys.readouterr().err
     assert err.startswith(f"tessera.eval: bad input: {damaged}: damaged checkpoint, not evaluated: SHA-256 "), err
-    assert err.rstrip().endswith(f"is not the {published[:12]}... published")
+    assert err.rstrip().endswith(f"is not the {published} published")
     # a valid checkpoint that is not the one published (its CRCs pass): refused by the hash alone
     assert main(["--checkpoint", str(path), "--sha256", "0" * 64, *common]) == EXIT_FATAL
     assert "not evaluated: SHA-256 " in capsys.readouterr().err

@@ -65,6 +65,11 @@ def test_form_fields_are_plain_inputs_whose_bounds_are_schema_constraints_and_sa
     assert props["run_name"]["pattern"] == NAME_PATTERN and "names the tessera run" in props["run_name"]["description"]
     assert props["backend"]["enum"] == ["recipe", "local", "kubernetes"] and props["backend"]["default"] == "recipe"
     assert props["if_running"]["enum"] == ["refuse", "wait"]
+    assert props["compile"]["enum"] == ["recipe", "auto", "on", "off"] and props["compile"]["default"] == "recipe"
+    recipe = load_recipe(TINY)
+    for choice, value in (("auto", "auto"), ("on", True), ("off", False), ("recipe", recipe.train.compile)):
+        applied = apply_overrides(recipe, PipelineParams(recipe=str(TINY), compile=choice), "tiny.yaml")
+        assert applied.train.compile == value, choice
     rows = props["stage_tokens"]
     assert rows["type"] == "array" and rows["items"]["required"] == ["stage", "tokens"]
     assert all(props[name].get("description") for name in props)
@@ -145,7 +150,9 @@ def test_relay_reports_the_newest_progress_at_a_bounded_rate(caplog):
         describe(json.loads(_line(1024)[len("tessera.progress ") :])),
         describe(json.loads(_line(16384)[len("tessera.progress ") :])),
     ]
-    assert lines[1] == "stage literary: step 16, 16,384/32,768 tokens (50%), loss 7.2500, 1,000 tok/s, ETA 16s"
+    assert lines[1] == (
+        "stage literary: 16,384/32,768 tokens (50%) at the run's step 16, loss 7.2500, 1,000 tok/s, ETA 16s"
+    )
 
 
 def _start(kind: str, tokens: int, **extra) -> str:

@@ -234,10 +234,19 @@ def test_no_secret_value_in_any_manifest():
     """Credentials only by reference: the rendered text holds the Secret names, never a key's value."""
     js = _by_kind(_render(GPU_TWO_NODES))["JobSet"]
     env = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    by_ref = {e["name"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
-    assert by_ref == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    by_ref = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    assert by_ref == {
+        "AWS_ACCESS_KEY_ID": {"name": "tessera-s3", "key": "access-key"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "tessera-s3", "key": "secret-key"},
+        "WANDB_API_KEY": {"name": "wandb", "key": "api-key"},  # compute.kubernetes.secrets
+        "HF_TOKEN": {"name": "hf-hub", "key": "token"},
+    }
     assert all("value" not in e for e in env if e["name"] in by_ref)
     assert "MLFLOW_TRACKING_PASSWORD" not in json.dumps(js)  # envFrom names the Secret, not its keys
+    cfg = compute(GPU_TWO_NODES)  # the evaluation and prepare pods get the same references
+    eval_env = eval_job(cfg.kubernetes, Workload("tiny", "eval", tokens=16384), "evaluation", ["--step", "1"])
+    eval_refs = [e for e in eval_env["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-hub", "key": "token"}}} in eval_refs
     with pytest.raises(ValueError, match="AWS_SECRET_ACCESS_KEY: looks like a credential"):
         compute(
             {
@@ -271,6 +280,31 @@ def test_credential_looking_env_is_refused_by_its_name_or_value_and_the_value_is
     said = str(refused.value)
     assert len(said.splitlines()) == 1 and "compute.kubernetes.env" in said
     assert name in said and "Secret" in said and "hunter2" not in said
+
+
+def test_secrets_name_their_variables_once_and_mlflow_params_name_no_value(tmp_path):
+    """compute.kubernetes.secrets: each Secret names the variables it gives (a secretKeyRef each), a variable
+    comes from one place, and MLflow's params say which Secret gives which variable, never a value."""
+    from tasks.recipe import RecipeError, load_recipe
+
+    raw = yaml.safe_load((ROOT / "configs" / "k8s-1b.yaml").read_text())
+    raw["compute"]["kubernetes"]["secrets"] = [{"name": "wandb", "keys": {"WANDB_API_KEY": "api-key"}}]
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    params = load_recipe(tmp_path / "r.yaml").tracked_params()
+    assert params["compute.kubernetes.secrets"] == "wandb:WANDB_API_KEY"
+    for secrets, said in (
+        ([{"name": "wandb"}], "compute.kubernetes.secrets: wandb: name the variables this Secret gives"),
+        (
+            [{"name": "a", "keys": {"HF_TOKEN": "t"}}, {"name": "b", "keys": {"HF_TOKEN": "u"}}],
+            "each variable comes from one place, and these come from two: HF_TOKEN (secrets a and secrets b)",
+        ),
+        ([{"name": "Not_A_Name", "keys": {"X": "y"}}], "compute.kubernetes.secrets.0.name"),
+    ):
+        raw["compute"]["kubernetes"]["secrets"] = secrets
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+        with pytest.raises(RecipeError) as refused:
+            load_recipe(tmp_path / "r.yaml")
+        assert len(str(refused.value).splitlines()) == 1 and said in str(refused.value), str(refused.value)
 
 
 def test_plain_env_is_accepted_and_only_its_names_become_mlflow_params(tmp_path):

@@ -292,7 +292,7 @@ def test_a_ui_run_survives_a_60s_tracking_outage_and_records_everything(live_sta
     # Prefect: named after the run, tagged, linked to MLflow, progress said in the log
     assert done["name"] == name and {"run:ui-run", "recipe:tiny", "tessera"} <= set(done["tags"])
     text = logs(stack, run_id)
-    assert "stage literary: step" in text and "tok/s" in text and "ETA" in text
+    assert "at the run's step" in text and "stage literary: " in text and "tok/s" in text and "ETA" in text
     mlrun = mlflow_run(stack, name)
     links = _api(
         stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": ["ui-run-mlflow-run"]}}, "limit": 5}

@@ -82,3 +82,58 @@ def test_a_checkpoint_that_would_run_code_stops_the_run_unless_trusted(tmp_path)
     assert not marker.exists() and opt.state_dict()["state"] == {}
     assert seed_optimizer(net, opt, evil, trust=True) == f"restored from {evil}"
     assert marker.exists()
+
+
+def _flip(path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_in_the_source_is_one_fatal_line_with_both_hashes_and_nothing_loaded(tmp_path, caplog):
+    """A checkpoint with a manifest beside it (as a run publishes it) is verified against its SHA-256 before the
+    weights-only unpickler reads it: a flipped byte inside its tensors would load as Adam's moments. Without a
+    manifest the zip CRCs catch the same byte, and the log says that no manifest vouched for it."""
+    import logging
+
+    from trainers.exit_codes import FatalError
+    from trainers.format.checkpoints import CheckpointInfo, publish
+
+    save = tmp_path / "save"
+    save.mkdir()
+    path, saved = _checkpoint(save, 8)
+    info = publish(save, CheckpointInfo(path=path, tokens=64, batch=4, stage="s", stage_index=0))
+    net = Net(8)
+    opt = torch.optim.AdamW(net.parameters(), lr=5e-4)
+    caplog.set_level(logging.INFO, logger="tessera.train")
+    assert seed_optimizer(net, opt, path) == f"restored from {path}"
+    assert f"train.init_optimizer_from: {path}: verified against its manifest tok-000000000064.json" in caplog.text
+
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:  # a byte in the middle of the first tensor's stored bytes
+        member = next(m for m in zf.infolist() if "/data/" in m.filename)
+    with open(path, "rb") as f:  # the local header's own name and extra lengths (torch pads the extra field)
+        f.seek(member.header_offset)
+        name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+    at = member.header_offset + 30 + name_len + extra_len + member.file_size // 2
+    _flip(path, at)
+    fresh = torch.optim.AdamW(Net(8).parameters(), lr=5e-4)
+    with pytest.raises(FatalError) as refused:
+        seed_optimizer(net, fresh, path)
+    line = str(refused.value)
+    assert line.startswith(f"train.init_optimizer_from: {path}: damaged checkpoint, not loaded: SHA-256 "), line
+    assert line.endswith(f"is not the {info.sha256} published") and "\n" not in line
+    assert fresh.state_dict()["state"] == {}
+
+    (save / "manifests" / "tok-000000000064.json").unlink()
+    caplog.clear()
+    with pytest.raises(FatalError, match=r"damaged checkpoint, not loaded: CRC-32 mismatch in "):
+        seed_optimizer(net, fresh, path)
+    _flip(path, at)  # the byte back: the file loads, and the log says no manifest named it
+    assert seed_optimizer(net, fresh, path) == f"restored from {path}"
+    assert f"{path}: verified against its zip CRCs only: no manifest names it" in caplog.text
+    assert [r.levelname for r in caplog.records if "zip CRCs" in r.getMessage()] == ["WARNING"]

@@ -4,6 +4,8 @@ MLflow, a slowed rank named) is in tests/test_watchdog.py's slowed-rank test."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from trainers.config import ModelConfig, StageConfig
@@ -115,6 +117,38 @@ def test_the_matmul_probe_is_the_best_window_and_a_straggler_hook_slows_it_by_it
     slowed = matmul_gflops(torch.device("cpu"))
     assert time.perf_counter() - start >= 3 * MATMUL_S  # the hook takes the time, as a slow node would
     assert clean / 4.5 < slowed < clean / 2
+
+
+def test_a_cpu_probe_whose_core_is_shared_with_three_busy_processes_reports_the_cores_rate():
+    """On a CPU the probe's windows are timed by the CPU the rank spent, so a rank whose core three other processes
+    share for the whole probe (wall clock: about a quarter of the rate in every window) reports the core's rate,
+    within the noise of a machine that runs other tests: CI once named the wrong rank slow at 2x."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from trainers.preflight import matmul_gflops
+
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    core = min(affinity)
+    torch.set_num_threads(1)  # the matmul on this thread, which the affinity below pins
+    os.sched_setaffinity(0, {core})
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    spinners = []
+    try:
+        clean = max(matmul_gflops(torch.device("cpu")) for _ in range(2))
+        spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+        time.sleep(1.0)  # each spinner running on the core
+        shared = max(matmul_gflops(torch.device("cpu")) for _ in range(2))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    assert shared > clean / 2, (shared, clean)
 
 
 def test_composers_environment_probe_starts_no_second_python(monkeypatch):

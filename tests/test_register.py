@@ -441,3 +441,36 @@ def test_a_version_registered_before_the_record_still_resolves_and_describes(tmp
         "Aliases: champion: champion since 2025-01-02: the first champion (bootstrap).\n"
         "Last promotion decision (2025-01-02): bootstrap: champion since 2025-01-02: the first champion (bootstrap)."
     )
+
+
+def test_a_checkpoint_damaged_after_its_manifest_is_not_exported_or_registered(tmp_path, composer_checkpoint):
+    """Registration exports what it reads now: a byte flipped since the manifest's SHA-256 was taken is one line
+    naming the file and both hashes, no retry, and no version."""
+    import shutil
+
+    from prefect.states import Failed
+
+    from tasks.registry.register import NotRegistered
+    from trainers.format.checkpoints import file_sha256
+
+    tracking = TrackingConfig(
+        tracking_uri=sqlite_store(tmp_path / "m.db"),
+        artifact_location=str(tmp_path / "art"),
+        experiment="e",
+        registered_model="tiny",
+    )
+    run_id = open_run.fn(tracking, "run-d", tags={})
+    copy = tmp_path / "ckpt.pt"
+    shutil.copyfile(composer_checkpoint, copy)
+    published = file_sha256(copy)
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    copy.write_bytes(bytes(data))
+    ckpt = CheckpointInfo(path=str(copy), tokens=64, batch=1, stage="s", stage_index=0, sha256=published)
+    with pytest.raises(NotRegistered) as refused:
+        register_checkpoint.fn(ckpt, summary(64, 0.3), tracking, run_id, "abc")
+    line = str(refused.value)
+    assert line.startswith(f"{copy}: damaged checkpoint, not loaded: SHA-256 {file_sha256(copy)} "), line
+    assert line.endswith(f"is not the {published} published; not registered")
+    assert not register_checkpoint.retry_condition_fn(None, None, Failed(data=refused.value))
+    assert client_for(tracking).search_model_versions("name='tiny'") == []

@@ -281,7 +281,10 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
         recipe_hash="h",
     )
     queue = GauntletQueue(target, S3Checkpoints("s3://ckpts/runs/tiny"))
-    assert said == ["dropped 1 pin(s) an earlier flow left behind: tiny-s0-tok128-rank0.pt"]
+    assert said == [
+        "released 1 checkpoint(s) an earlier flow run of this run had kept for evaluation and never released (it was "
+        "stopped): tiny-s0-tok128-rank0.pt; each is evaluated again if it has no version yet"
+    ]
     queue.sweep()
     waiting = {Path(c.path).name for c in ckpts[-MAX_WAITING:]}
     assert mirror.pinned() == waiting

@@ -290,9 +290,10 @@ def test_a_sharded_index_that_would_run_code_is_refused(sharded_reference, tmp_p
     assert not marker.exists()
 
 
-def test_continued_pretraining_reads_weights_and_optimizer_state_from_a_sharded_checkpoint(sharded_reference):
+def test_continued_pretraining_reads_weights_and_optimizer_state_from_a_sharded_checkpoint(sharded_reference, tmp_path):
     """`model.init_from` and `train.init_optimizer_from` naming a sharded folder: the weights and AdamW's
-    moments come from the shards, into a model of one process."""
+    moments come from the shards, into a model of one process; a copy with one byte of a shard flipped is one
+    fatal line on both paths, naming the shard and both hashes, and nothing of it is loaded."""
     import torch
 
     from trainers.build import _wrap, optimizer_for
@@ -312,3 +313,33 @@ def test_continued_pretraining_reads_weights_and_optimizer_state_from_a_sharded_
     up = model.model.layers[0].mlp.up_proj.weight
     saved = stored["state.optimizers.AdamW.state.model.model.layers.0.mlp.up_proj.weight.exp_avg_sq"]
     assert torch.equal(optimizer.state[up]["exp_avg_sq"], saved)
+
+    import shutil
+
+    from trainers.exit_codes import FatalError
+    from trainers.format.checkpoints import MANIFEST_DIR, manifest_of
+
+    copy = tmp_path / "save" / folder.name
+    shutil.copytree(folder, copy)
+    shutil.copytree(folder.parent / MANIFEST_DIR, copy.parent / MANIFEST_DIR)
+    published = manifest_of(copy)
+    assert published is not None and published.files is not None
+    shard = next(f for f in published.files if f.name.endswith(".distcp"))
+    with open(copy / shard.name, "r+b") as f:  # one byte in the middle of the shard's tensors
+        f.seek(shard.size // 2)
+        byte = f.read(1)
+        f.seek(shard.size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    fresh = build_model(ref_job.model, ref_job.vocab_size, ref_job.max_seq_len, ref_job.eos_token_id, seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(FatalError) as refused:
+        read_weights_from(fresh, str(copy))
+    line = str(refused.value)
+    assert line.startswith(f"model.init_from: {copy}: damaged checkpoint, not loaded: {shard.name}: SHA-256 "), line
+    assert f"is not the {shard.sha256} published" in line and "\n" not in line
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    wrapped = _wrap(fresh, None)
+    optimizer = optimizer_for(wrapped, OptimConfig())
+    with pytest.raises(FatalError, match=rf"^train.init_optimizer_from: {copy}: damaged checkpoint, not loaded: "):
+        seed_optimizer(wrapped, optimizer, str(copy))
+    assert optimizer.state_dict()["state"] == {}

@@ -147,9 +147,9 @@ def first_hour(person):
     seen["first"] = first
     person.see(RUN)  # the flow run takes the run's name, not Prefect's random one
     person.see("stage literary: starting run ui-form fresh")
-    person.see(re.compile(r"stage literary: step \d+, [\d,]+/98,304 tokens"))
+    person.see(re.compile(r"stage literary: [\d,]+/98,304 tokens \(\d+%\) at the run's step \d+"))
     seen["running"] = person.state(first)
-    person.shot("prefect-running", showing=re.compile(r"stage literary: step \d+"))
+    person.shot("prefect-running", showing=re.compile(r"stage literary: [\d,]+/98,304 tokens"))
 
     folder = person.stack.work_dir / "runs" / RUN / "checkpoints"
     deadline = time.monotonic() + 600

@@ -561,3 +561,92 @@ def test_a_slow_save_that_keeps_writing_is_never_killed(prefect_harness, tmp_pat
     assert outcome == 0, outcome
     assert [r["kind"] for r in _ledger(job_path)] == ["ok"]
     assert time.time() - started > 30 and not [m for m in logs if "the watchdog found" in m]
+
+
+def test_a_hung_group_is_killed_even_when_its_log_cannot_be_written(tmp_path, monkeypatch):
+    """The hang report goes to a log on a full disk (/dev/full: every write is ENOSPC). The kill must still
+    come: before, the write's error ended the watchdog before its kill and the stopped group ran on for good."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    from infra import watchdog
+    from infra.local import LocalJob
+
+    monkeypatch.setattr(watchdog.shutil, "which", lambda name: None)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    rank = shlex.join([sys.executable, "-c", _RANK, str(tmp_path)])
+    launcher = subprocess.Popen(["sh", "-c", f"{rank} 0 & {rank} 1 & wait"], env=env, start_new_session=True)
+    try:
+        dog = Watchdog(tmp_path, Budgets(), [0, 1])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (len(dog.pids()) == 2 and process_state(dog.pids()[1]) == "T"):
+            time.sleep(0.01)
+        pids = dog.pids()
+        hang = dog.check(time.time() + 3600)
+        assert hang is not None and hang.rank == 1 and hang.stopped
+        LocalJob(process=launcher, log_path=Path("/dev/full"))._kill_hung(dog, hang)  # no OSError escapes
+        assert launcher.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(process_state(pid) not in (None, "Z") for pid in pids):
+            time.sleep(0.05)
+        assert [process_state(pid) in (None, "Z") for pid in pids] == [True, True]
+    finally:
+        watchdog.signal_group(launcher.pid, signal.SIGCONT)
+        watchdog.signal_group(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def test_the_launchers_watchdog_kills_a_frozen_rank_after_its_log_has_gone(tmp_path, monkeypatch):
+    """torch's agent with the watchdog in its monitor loop (infra/launcher.py): rank 1 stops itself, and the
+    reader of the launcher's output has gone, so the hang report fails (EPIPE). Both ranks are killed within the
+    startup budget plus the stacks' wait all the same, and nothing of the launch is left."""
+    import signal
+    import subprocess
+    import sys
+
+    from infra import watchdog
+    from tests.support.training import live_group_members
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    beats = tmp_path / "beats"
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TESSERA_WATCHDOG": json.dumps({"startup_s": 8, "step_floor_s": 8}),
+        "TESSERA_HEARTBEAT_DIR": str(beats),
+    }
+    argv = [sys.executable, "-m", "infra.launcher", "--nproc-per-node", "2", "--log-dir", str(tmp_path)]
+    launcher = subprocess.Popen(
+        [*argv, "-m", "tests.launch_probe", "freeze", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:  # rank 0 runs: from here on, nobody reads the launcher's output
+            if line.startswith(b"rank=0"):
+                break
+        dog = Watchdog(beats, Budgets(), [0, 1])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (len(dog.pids()) == 2 and process_state(dog.pids()[1]) == "T"):
+            time.sleep(0.05)
+        pids = dog.pids()
+        assert len(pids) == 2 and process_state(pids[1]) == "T"
+        launcher.stdout.close()
+        stopped_at = time.monotonic()
+        while time.monotonic() - stopped_at < 30 and any(process_state(pid) not in (None, "Z") for pid in pids):
+            time.sleep(0.1)
+        assert [process_state(pid) in (None, "Z") for pid in pids] == [True, True]
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while live_group_members(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_group_members(launcher.pid) == []
+    finally:
+        watchdog.signal_group(launcher.pid, signal.SIGCONT)
+        watchdog.signal_group(launcher.pid, signal.SIGKILL)
+        launcher.wait()

@@ -67,7 +67,7 @@ def optimizer_for(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Opt
     )
 
 
-def _wrap(hf_model, tokenizer, compiled: bool = False) -> HuggingFaceModel:
+def _wrap(hf_model, tokenizer, guard: compile_lib.Guard | None = None) -> HuggingFaceModel:
     """Composer's HuggingFaceModel around the decoder, whose training loss never holds the logits
     (trainers/lm_loss.py), without HuggingFaceModel's causal-LM registry probe.
 
@@ -85,7 +85,7 @@ def _wrap(hf_model, tokenizer, compiled: bool = False) -> HuggingFaceModel:
         wrapped = HuggingFaceModel(
             hf_model, tokenizer=tokenizer, use_logits=True, shift_labels=True, eval_metrics=[LanguageCrossEntropy()]
         )
-        use_fused_loss(hf_model, compiled)  # after: HuggingFaceModel reads the forward's signature
+        use_fused_loss(hf_model, guard)  # after: HuggingFaceModel reads the forward's signature
         return wrapped
     finally:
         hf_module._is_registered_causal_lm = probe
@@ -116,8 +116,11 @@ def build_trainer(job: TrainJob, stage_index: int) -> Trainer | None:
         return None
     checked = preflight.run(job, _probe_device(), *world())  # before the model costs memory and time
     compiled = compile_lib.wanted(job.train.compile, torch.cuda.is_available())
-    hf_model, model, init_source = _model(job, plan, compiled)
+    hf_model, model, init_source, guard = _model(job, plan, compiled)
     callbacks, metrics, rng = _callbacks(job, stage_index, plan, skip, copy, compiled)
+    if guard is not None:
+        metrics.start_tags["tessera.compile"] = f"compiled ({job.train.compile_backend})"
+        guard.on_fallback = lambda reason: metrics.note(None, {}, tags={"tessera.compile": f"fallback ({reason})"})
     if checked is not None:
         metrics.note_launch(plan.tokens, preflight.metrics(checked))
     optimizer = optimizer_for(hf_model, job.train.optim)
@@ -191,9 +194,9 @@ def _refused_as_fatal(plan: StartPlan):
 
 def _model(
     job: TrainJob, plan: StartPlan, compiled: bool
-) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None]:
-    """The HF model, Composer's wrapper with the tokenizer, and (sharded continued pretraining only) the
-    weights each rank's shards are filled from.
+) -> tuple[torch.nn.Module, HuggingFaceModel, dict[str, torch.Tensor] | None, compile_lib.Guard | None]:
+    """The HF model, Composer's wrapper with the tokenizer, (sharded continued pretraining only) the
+    weights each rank's shards are filled from, and the guard a compiled model's failure to compile meets.
 
     One process or DDP: the whole model, initialised only when nothing will overwrite it. Sharded: on the
     meta device; Composer shards it and trainers/sharding.py fills each rank's shards as it is built.
@@ -227,14 +230,16 @@ def _model(
         if "://" in local:  # published beside the data under an s3:// data root (a pod has no flow disk)
             local = str(fetch_folder(local, cache_dir_for(local, job.run_name)))
         tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=False)  # prepare's copy, never code
+    guard = None
     if compiled:
         folder = compile_lib.use_cache(job.compile_cache_dir)
         compile_lib.watch()
-        blocks = compile_lib.compile_blocks(hf_model, job.train.compile_backend)
+        guard = compile_lib.Guard(fatal=job.train.compile is True)
+        blocks = compile_lib.compile_blocks(hf_model, job.train.compile_backend, guard)
         log.info(
             "compiling %d decoder blocks (%s); compiled kernels cached in %s", blocks, job.train.compile_backend, folder
         )
-    return hf_model, _wrap(hf_model, tokenizer, compiled), init_source
+    return hf_model, _wrap(hf_model, tokenizer, guard), init_source, guard
 
 
 def _model_config(job: TrainJob, plan: StartPlan) -> ModelConfig:

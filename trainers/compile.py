@@ -31,6 +31,7 @@ own budget (a minute of compiling is neither a hang nor a slow step), and the go
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -117,11 +118,65 @@ def use_cache(job_dir: str | None) -> Path:
     return folder
 
 
-def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compile each decoder block's forward in place; returns how many. `model` is the HF causal LM."""
+class Guard:
+    """What a failure to compile does (`train.compile`): with `auto`, training goes on eager, said once in a
+    warning and to MLflow (`on_fallback`); with `true` it is one fatal line.
+
+    Nothing compiles before a compiled function's first call (the first step), so the guard stands at each call:
+    dynamo and inductor raise their errors there, the backward's included (static shapes: AOTAutograd compiles
+    the backward with the forward). Only their errors count: an out-of-memory error from a compiled kernel is
+    Composer's to handle as it would an eager one's. The seconds a failed compile took stay in the compile
+    phase (the heartbeat's and the goodput ledger's), and after a fallback every guarded call runs eager."""
+
+    def __init__(self, fatal: bool):
+        self.fatal = fatal
+        self.fallback: str | None = None  # why compiling failed, once it has
+        self.on_fallback = None  # called with the reason, once (trainers/build.py: the MLflow tag)
+
+    def call(self, compiled, eager, *args, **kwargs):
+        if self.fallback is None:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as exc:
+                if not isinstance(exc, _compile_errors()):
+                    raise
+                if _WATCH and _WATCH[0]._started is not None:  # dynamo's end callback did not run
+                    _WATCH[0].end()
+                self._failed(exc)
+        return eager(*args, **kwargs)
+
+    def wrap(self, fn, **options):
+        """`fn` compiled with `options`, behind this guard."""
+        compiled = torch.compile(fn, **options)
+        return functools.wraps(fn)(functools.partial(self.call, compiled, fn))
+
+    def _failed(self, exc: BaseException) -> None:
+        from trainers.exit_codes import FatalError
+
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+        if self.fatal:
+            raise FatalError(f"train.compile is true and compiling failed: {reason}") from None
+        self.fallback = reason
+        log.warning("train.compile is auto and compiling failed, so this launch trains eager: %s", reason)
+        if self.on_fallback is not None:
+            self.on_fallback(reason)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's and inductor's errors (imported at the first failure: inductor is not imported to train eager)."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    return (TorchDynamoException, InductorError)
+
+
+def compile_blocks(model: torch.nn.Module, backend="inductor", guard: Guard | None = None) -> int:
+    """Compile each decoder block's forward in place, behind `guard` (none: fatal on failure); returns how many.
+    `model` is the HF causal LM; `backend` a torch.compile backend, by name or callable."""
+    guard = guard or Guard(fatal=True)
     blocks = model.get_decoder().layers
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
+        block.forward = guard.wrap(block.forward, backend=backend, fullgraph=True, dynamic=False)
     return len(blocks)
 
 

@@ -88,15 +88,16 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), rows, step or _chunk_loss_and_grad)
 
 
-def use_fused_loss(model: torch.nn.Module, compiled: bool = False) -> None:
+def use_fused_loss(model: torch.nn.Module, guard=None) -> None:
     """Give the HF causal LM `model` a training forward that returns the loss from linear_cross_entropy and no
     logits; in eval mode, or without labels, it is the model's own forward.
 
     The forward is replaced on the instance, not around the module: hooks on the module (FSDP2's unit that
     gathers the embeddings, the final norm and the head) run around it as around the original, and the
-    state dict does not change. `compiled`: the per-chunk loss is compiled with the blocks."""
+    state dict does not change. `guard` (trainers/compile.Guard): the per-chunk loss is compiled with the blocks,
+    behind the same guard; none: eager."""
     original = model.forward
-    step = torch.compile(_chunk_loss_and_grad, dynamic=False) if compiled else _chunk_loss_and_grad
+    step = guard.wrap(_chunk_loss_and_grad, dynamic=False) if guard is not None else _chunk_loss_and_grad
 
     def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
         if not model.training or labels is None:

@@ -17,6 +17,7 @@ an SDPA attention path that runs flash / memory-efficient kernels on GPU.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.config import ModelConfig
 from trainers.exit_codes import FatalError
-from trainers.format.checkpoints import SHARD_METADATA
+from trainers.format.checkpoints import SHARD_METADATA, DamagedCheckpoint, verify
 from trainers.format.export import load_hf
 from trainers.format.meta import empty_like_meta, parameters_on_meta
 from trainers.format.model_dirs import hf_config, hf_folders, load_hf_causal_lm
 from trainers.format.safe_load import UnsafeCheckpoint
+
+log = logging.getLogger("tessera.train")
 
 # Named sizes in the style of the GPT-3 paper's Table 2.1 (n_params counts every weight,
 # with the GPT-NeoX vocabulary of ~50k and tied embeddings). Per-block weights are
@@ -197,14 +200,16 @@ def read_weights_from(
 
     source = None
     try:
-        if (Path(source_dir) / SHARD_METADATA).is_file():
+        if (Path(source_dir) / SHARD_METADATA).is_file():  # a checkpoint of tessera's: as its manifest published
+            checked = verify(source_dir)
+            (log.info if checked.by_manifest else log.warning)("model.init_from: %s", checked.line)
             source, _ = load_hf(source_dir, trust=trust)
             theirs = source.config
         else:
             folders = hf_folders(source_dir)
             source_dir = str(folders.model)
             theirs = hf_config(folders.model, trust=trust)
-    except UnsafeCheckpoint as exc:
+    except (UnsafeCheckpoint, DamagedCheckpoint) as exc:
         raise FatalError(f"model.init_from: {exc}") from None
     ours = model.config
     pad_from = None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainers.exit_codes import FatalError
+from trainers.format.checkpoints import Checked, DamagedCheckpoint, verify
 from trainers.format.safe_load import UnsafeCheckpoint, load
 from trainers.format.sharded import read_values
 
@@ -22,13 +23,29 @@ log = logging.getLogger("tessera.train")
 
 
 def _local(uri: str, tmp: str) -> str:
+    """A local path of checkpoint file `uri`: itself, or a download with the save folder's manifests beside it,
+    so that it is verified against what its run published (trainers/format/checkpoints.verify)."""
     if "://" not in uri:
         return uri
     from composer.utils import get_file
 
-    dest = str(Path(tmp) / Path(uri).name)
-    get_file(uri, dest, overwrite=True)
-    return dest
+    from trainers.format.checkpoints import MANIFEST_DIR
+    from trainers.format.s3 import s3_client, split_uri
+
+    dest = Path(tmp) / Path(uri).name
+    get_file(uri, str(dest), overwrite=True)
+    if uri.startswith("s3://"):
+        bucket, key = split_uri(uri.rsplit("/", 1)[0] + f"/{MANIFEST_DIR}")
+        client = s3_client()
+        (Path(tmp) / MANIFEST_DIR).mkdir(exist_ok=True)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/"):
+            for item in page.get("Contents", []):
+                client.download_file(bucket, item["Key"], str(Path(tmp) / MANIFEST_DIR / Path(item["Key"]).name))
+    return str(dest)
+
+
+def _say_checked(checked: Checked) -> None:
+    (log.info if checked.by_manifest else log.warning)("train.init_optimizer_from: %s", checked.line)
 
 
 def seed_optimizer(
@@ -46,12 +63,15 @@ def seed_optimizer(
 
     try:
         if Path(checkpoint).is_dir():  # sharded: the optimizer's keys only; a refused index is UnsafeCheckpoint
+            _say_checked(verify(checkpoint))
             optimizers = read_values(checkpoint, "state.optimizers", trust=trust)
         else:
             with tempfile.TemporaryDirectory(prefix="tessera-optim-") as tmp:
-                optimizers = load(_local(checkpoint, tmp), trust=trust, shown=checkpoint)["state"]["optimizers"]
+                local = _local(checkpoint, tmp)
+                _say_checked(verify(local, shown=checkpoint))
+                optimizers = load(local, trust=trust, shown=checkpoint)["state"]["optimizers"]
         saved = next(iter(optimizers.values()))
-    except UnsafeCheckpoint as exc:
+    except (UnsafeCheckpoint, DamagedCheckpoint) as exc:  # never a fresh start: the run asked for this state
         raise FatalError(f"train.init_optimizer_from: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint means a fresh optimizer, said plainly
         return f"fresh: cannot read the optimizer state of {checkpoint} ({type(exc).__name__}: {exc})"

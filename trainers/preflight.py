@@ -101,21 +101,27 @@ def matmul_gflops(device: torch.device) -> float:
     """GFLOP/s of square matmuls (fp32 on a CPU, bf16 on a GPU): the best of the short windows in about MATMUL_S
     seconds. Contention from other processes only ever slows a window, so the best one is the node's own rate,
     where the mean over the whole probe was the load of the moment: two ranks on a machine at load 8 differed by
-    1.7x that way, enough to name the wrong rank slow."""
+    1.7x that way, enough to name the wrong rank slow.
+
+    On a CPU a window is timed by the CPU the process spent in it, not the wall clock: a rank whose cores were
+    given to other processes for a whole tenth of a second (a busy machine's time slices are longer than the
+    probe) had no uncontended window at all, and CI named it slow at 2x. A GPU's windows are the device's own, on
+    the wall clock."""
     n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm up: the first call pays for kernel selection
     _sync(device)
     best, start = 0.0, time.perf_counter()
-    window_start = start
+    window_start = clock()
     while True:
         for _ in range(MATMUL_WINDOW):
             torch.matmul(a, b)
         _sync(device)
-        now = time.perf_counter()
-        best = max(best, 2 * n**3 * MATMUL_WINDOW / (now - window_start) / 1e9)
-        window_start = now
+        now, spent = time.perf_counter(), clock()
+        best = max(best, 2 * n**3 * MATMUL_WINDOW / max(spent - window_start, 1e-9) / 1e9)
+        window_start = spent
         if now - start >= MATMUL_S:
             break
     if not torch.isfinite(a @ b[:, :1]).all():

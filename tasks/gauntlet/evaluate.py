@@ -77,8 +77,10 @@ def evaluate_checkpoint(
     from evaluation.runner import run_gauntlet
 
     logger = get_run_logger()
-    check_checkpoint(checkpoint.path, checkpoint.sha256, files=checkpoint.files)
-    loaded = load_model(checkpoint.path)
+    checked = check_checkpoint(checkpoint.path, checkpoint.sha256, files=checkpoint.files)
+    if not checked.by_manifest:  # a manifest written before hashes were recorded
+        logger.warning(checked.line)
+    loaded = load_model(checkpoint.path, verified=True)
     report = run_gauntlet(loaded.model, loaded.tokenizer, cfg, max_seq_len)
     title = f"Gauntlet at {checkpoint.tokens:,} tokens (stage {checkpoint.stage})"
     stamp = int(time.time() * 1000)  # one timestamp for every attempt: a retried log adds no duplicate points

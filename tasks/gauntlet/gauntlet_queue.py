@@ -96,7 +96,12 @@ class GauntletQueue:
         # folder is pinned again as it is found.
         stale = store.drop_pins()
         if stale:
-            get_run_logger().info("dropped %d pin(s) an earlier flow left behind: %s", len(stale), ", ".join(stale))
+            get_run_logger().info(
+                "released %d checkpoint(s) an earlier flow run of this run had kept for evaluation and never "
+                "released (it was stopped): %s; each is evaluated again if it has no version yet",
+                len(stale),
+                ", ".join(stale),
+            )
         self.backlog: Backlog[tuple[CheckpointInfo, CheckpointInfo]] = Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
         self.pending: list[tuple[PrefectFuture, PrefectFuture]] = []  # (evaluation, registration)
@@ -109,6 +114,14 @@ class GauntletQueue:
         for ckpt in self.store.complete():
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
+                # what a person waits for before a cancel or a compare, said as it happens, not at the run's end
+                get_run_logger().info(
+                    "checkpoint saved: %s tokens (step %s, stage %s): %s",
+                    f"{ckpt.tokens:,}",
+                    f"{ckpt.batch:,}",
+                    ckpt.stage,
+                    self.store.where(ckpt),
+                )
                 self._enqueue(ckpt)
                 self._submit_if_idle()
         self._submit_if_idle()
@@ -186,6 +199,16 @@ class GauntletQueue:
         for registration, pinned in self.held:
             if registration in finished:
                 self.store.unpin(pinned)
+                done = registration.result(raise_on_failure=False)
+                if isinstance(done, Registration):
+                    get_run_logger().info(
+                        "registered %s v%d: the checkpoint at %s tokens (step %s)%s",
+                        done.name,
+                        done.version,
+                        f"{done.tokens:,}",
+                        f"{pinned.batch:,}",
+                        "" if done.created else ", registered before",
+                    )
         self.held = [(registration, pinned) for registration, pinned in self.held if registration not in finished]
 
     def results(self) -> list[Registration]:

@@ -39,7 +39,8 @@ from tasks.registry.aliases import (  # noqa: F401 - the alias names are part of
 from tasks.registry.version_record import TAGS, checkpoint_of, has_version_record, now, write_version_record  # noqa: F401
 from tasks.retry import retry_unless
 from tasks.tracking_config import TrackingConfig
-from trainers.format.checkpoints import CheckpointInfo
+from trainers.contract import OneLineError
+from trainers.format.checkpoints import CheckpointInfo, DamagedCheckpoint, verify
 from trainers.format.mlflow_model import publish, save_mlflow_model, weights_mb
 
 
@@ -195,11 +196,15 @@ def move_aliases(tracking: TrackingConfig, run_id: str) -> tuple[int, int]:
     return _move_aliases(client_for(tracking), tracking.registered_model, run_id)
 
 
+class NotRegistered(OneLineError, ValueError):
+    """A checkpoint refused before it is exported: its bytes are not those its manifest published."""
+
+
 @task(
     retries=7,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     cache_policy=NO_CACHE,
-    retry_condition_fn=retry_unless(),
+    retry_condition_fn=retry_unless(NotRegistered),
     task_run_name="register-tok-{checkpoint.tokens}",
 )
 def register_checkpoint(
@@ -226,6 +231,10 @@ def register_checkpoint(
         if summary.model_uri:  # packaged where it was scored (an evaluation pod): never loaded here
             source, storage = summary.model_uri, "reference"
         else:
+            try:  # scored minutes ago, maybe, but what is exported is what is read now
+                verify(checkpoint.path, sha256=checkpoint.sha256, files=checkpoint.files)
+            except DamagedCheckpoint as exc:
+                raise NotRegistered(f"{exc}; not registered") from None
             with tempfile.TemporaryDirectory(prefix="tessera-export-") as tmp:
                 hf_dir = export_hf(checkpoint.path, Path(tmp) / "hf")
                 card = (

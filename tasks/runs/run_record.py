@@ -141,7 +141,8 @@ def publish_registrations(tracking: TrackingConfig, run_name: str, registrations
         markdown=summary,
         description=f"Model versions registered by run {run_name}",
     )
-    get_run_logger().info("run %s: %d versions registered", run_name, len(registrations))
+    count = len(registrations)
+    get_run_logger().info("run %s: %d model version%s registered", run_name, count, "" if count == 1 else "s")
 
 
 @task(cache_policy=NO_CACHE)

@@ -29,6 +29,8 @@ class Reconciler:
     def __init__(self, grace_s: float = CANCELLING_GRACE_S):
         self.grace_s = grace_s
         self._cancelling_since: dict[UUID, float] = {}
+        # Leases already revoked: the run's state keeps naming its lease while it lives (said once, not each round)
+        self._revoked: set[UUID] = set()
 
     def round(self) -> list[str]:
         """One look at the server's live runs; a line for each run unstuck or ended."""
@@ -58,8 +60,10 @@ class Reconciler:
                     continue
                 found = deployment(run.deployment_id)
                 lease = run.state.state_details.deployment_concurrency_lease_id
-                if lease is not None and (found is None or found.concurrency_limit_id is None):
+                gone = found is None or found.concurrency_limit_id is None
+                if lease is not None and gone and lease not in self._revoked:
                     client.release_concurrency_slots_with_lease(lease)
+                    self._revoked.add(lease)
                     lines.append(
                         f"flow run {run.name!r} ({run.id}): its deployment or its concurrency limit was removed while "
                         "it ran; the lease on the gone limit's slot is revoked, so the run can end"

@@ -35,7 +35,7 @@ def describe(p: dict, rate: float | None = None) -> str:
     eta = f"ETA {_duration((end - tokens) / rate)}" if rate > 0 and tokens < end else "stage end"
     loss = "n/a" if p.get("loss") is None else f"{p['loss']:.4f}"
     return (
-        f"stage {p['stage']}: step {p['step']:,}, {tokens - start:,}/{end - start:,} tokens ({done:.0%}), "
+        f"stage {p['stage']}: {tokens - start:,}/{end - start:,} tokens ({done:.0%}) at the run's step {p['step']:,}, "
         f"loss {loss}, {rate:,.0f} tok/s, {eta}"
     )
 

@@ -55,6 +55,10 @@ GPU_TWO_NODES = {
             "keys": {"AWS_ACCESS_KEY_ID": "access-key", "AWS_SECRET_ACCESS_KEY": "secret-key"},
         },
         "mlflow_credentials": {"name": "mlflow-auth"},
+        "secrets": [
+            {"name": "wandb", "keys": {"WANDB_API_KEY": "api-key"}},
+            {"name": "hf-hub", "keys": {"HF_TOKEN": "token"}},
+        ],
         "env": {"AWS_ENDPOINT_URL": "https://s3.example.com", "NCCL_DEBUG": "WARN"},
         "cache": {"size": "500Gi"},
         "max_restarts": 4,

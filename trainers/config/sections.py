@@ -188,8 +188,10 @@ class TrainConfig(_Strict):
     compile: bool | Literal["auto"] = Field(
         "auto",
         description="Compile each decoder block with torch.compile (inductor). 'auto' compiles on GPUs, where it "
-        "about doubles throughput, and not on CPU, where compiling costs more than it gains; true compiles on CPU "
-        "too. Compiled kernels are cached across launches (trainers/compile.py).",
+        "about doubles throughput, and not on CPU, where compiling costs more than it gains; if compiling fails "
+        "there it trains eager (a warning, and the MLflow tag tessera.compile, say why). true compiles on CPU too, "
+        "and a failure to compile stops the run (exit 78). Compiled kernels are cached across launches "
+        "(trainers/compile.py).",
     )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor",

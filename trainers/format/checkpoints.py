@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -195,10 +196,62 @@ def damage(path: str | Path, sha256: str | None = None) -> str | None:
             actual = file_sha256(path)
         except OSError as exc:
             return f"unreadable ({type(exc).__name__}: {exc})"
-        return None if actual == sha256 else f"SHA-256 {actual[:12]}... is not the {sha256[:12]}... published"
+        return None if actual == sha256 else f"SHA-256 {actual} is not the {sha256} published"
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
     except (OSError, zipfile.BadZipFile, RuntimeError, ValueError) as exc:
         return f"unreadable ({type(exc).__name__}: {exc})"
     return None if bad is None else f"CRC-32 mismatch in {bad}"
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose bytes are not those published. It is never loaded."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"{name}: damaged checkpoint, not loaded: {why}")
+        self.name, self.why = name, why
+
+
+def manifest_of(path: str | Path) -> CheckpointInfo | None:
+    """The manifest that published checkpoint `path` (a file, or a sharded folder), read from the manifests
+    beside it (`<save_folder>/manifests/`, as saved, or as fetched from a bucket), or None when none names it."""
+    target = Path(path)
+    for manifest in sorted((target.parent / MANIFEST_DIR).glob("tok-*.json")):
+        try:
+            record = read_json(manifest)
+        except CutShort:
+            continue
+        if record is not None and Path(record.get("path", "")).name == target.name:
+            return CheckpointInfo.model_validate({**record, "path": str(target)})
+    return None
+
+
+class Checked(NamedTuple):
+    line: str  # how it was checked, for the log
+    by_manifest: bool  # against what its manifest published; False: no manifest names it (a log warning)
+
+
+def verify(
+    path: str | Path, *, shown: str | None = None, sha256: str | None = None, files: list[ShardFile] | None = None
+) -> Checked:
+    """Check a checkpoint tessera wrote before anything loads it; returns how it was checked.
+
+    Against the `sha256` (a file) or `files` (a sharded folder) its manifest published, given by the caller or
+    read from the manifest beside it (`manifest_of`). Without a manifest: a file's zip CRCs, a folder nothing,
+    and the line says so. Anything that differs raises DamagedCheckpoint naming the checkpoint (`shown`, when it
+    was fetched from elsewhere) and what differs: the expected and found SHA-256, a size, a missing file."""
+    name = shown or str(path)
+    how = "the SHA-256 its manifest published" if files is None else "the file hashes its manifest published"
+    if sha256 is None and files is None:
+        info = manifest_of(path)
+        if info is not None:
+            sha256, files, how = info.sha256, info.files, f"its manifest tok-{info.tokens:012d}.json"
+        elif Path(path).is_file():
+            how = "its zip CRCs only: no manifest names it"
+        else:
+            return Checked(f"{name}: not verified: no manifest names it, and without one a folder has no hashes", False)
+    why = folder_damage(path, files) if files is not None else damage(path, sha256)
+    if why is not None:
+        raise DamagedCheckpoint(name, why)
+    return Checked(f"{name}: verified against {how}", sha256 is not None or files is not None)
