@@ -9,4 +9,5 @@ up.py            `tessera up`: Prefect server, a process worker and MLflow on th
 up_plan.py       what `tessera up` will start and where: ports, URLs, each service's command and environment
 up_stack.py      the processes `tessera up` starts and stops, and everything they start in turn
 service_logs.py  errors `tessera up`'s services log, said on its terminal too
+mlflow_app.py    the MLflow server `tessera up` runs: MLflow's app plus the page that opens it in model training
 """

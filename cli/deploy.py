@@ -211,11 +211,21 @@ def recipe_default(recipe: str, root: Path = PROJECT_ROOT) -> str:
 
 
 def with_recipe(raw: dict[str, Any], recipe: str | None) -> dict[str, Any]:
-    """A deployment entry whose form defaults to `recipe` wherever prefect.yaml names one (params.recipe)."""
+    """A deployment entry whose form defaults to `recipe` wherever prefect.yaml names one (params.recipe), and
+    whose New Data default is the folder's whole path: the one folder a person puts files in, where `data/incoming`
+    said nothing of which machine's checkout it meant."""
     params = (raw.get("parameters") or {}).get("params")
-    if recipe is None or not isinstance(params, dict) or "recipe" not in params:
+    if not isinstance(params, dict):
         return raw
-    return {**raw, "parameters": {**raw["parameters"], "params": {**params, "recipe": recipe_default(recipe)}}}
+    fresh = dict(params)
+    if recipe is not None and "recipe" in params:
+        fresh["recipe"] = recipe_default(recipe)
+    new_data = params.get("new_data")
+    if isinstance(new_data, str) and "://" not in new_data and not Path(new_data).is_absolute():
+        fresh["new_data"] = str((PROJECT_ROOT / new_data).resolve())
+    if fresh == params:
+        return raw
+    return {**raw, "parameters": {**raw["parameters"], "params": fresh}}
 
 
 def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: str | None) -> None:
@@ -231,7 +241,8 @@ def _constrain(specs: list[DeploymentSpec], deployed: list[Deployed], recipe: st
         for spec, published in zip(specs, deployed, strict=True):
             found = client.read_deployment(published.id)
             schema = found.parameter_openapi_schema or {}
-            if loaded is not None and with_recipe(spec.raw, recipe) is not spec.raw:  # its form names a recipe
+            names_recipe = "recipe" in ((spec.raw.get("parameters") or {}).get("params") or {})
+            if loaded is not None and names_recipe:
                 schema = recipe_schema(schema, loaded)
             schema = bounds_the_ui_checks(schema)
             if schema != found.parameter_openapi_schema:
@@ -324,7 +335,7 @@ def deploy(
     url = reachable_api_url()
     for name in dict.fromkeys([pool] if pool else [s.pool for s in specs]):
         ensure_pool(project, name)
-    from tasks.runs.run_slot import ensure_names_lock
+    from tasks.slots import ensure_names_lock
 
     ensure_names_lock()  # run names' slots are created through it (tasks/runs/run_slot.py)
     _run_prefect_deploy(project, specs, pool, url, log, recipe)

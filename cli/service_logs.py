@@ -7,8 +7,10 @@ weekly schedule never fired for exactly that reason, with 49 tracebacks in a log
 service, which component, the exception, and the log to open. A repeat of the same error is counted
 and said again at most every REPEAT_EVERY_S, so a failing loop cannot flood the terminal.
 
-Only server-side lines count: a flow run's own output (which a process worker relays into its log)
-is shown by the Prefect UI, and a failed flow run is not a broken service.
+The services' own errors are read as above; a flow run's, which a process worker relays into its log (a hook
+that fails after a cancel, a flow run that fails), are said too, under the flow run's name ("Flow run 'twin'"):
+Prefect's UI shows them only to whoever opens that run. Each log is appended to, not truncated, by a restarted
+`tessera up`, and read from where this session's part begins.
 """
 
 from __future__ import annotations
@@ -143,6 +145,11 @@ def _header(line: str) -> tuple[str, str, str] | None:
 def prefect_worker_own(logger: str) -> bool:
     """The worker's own components, not the flow runs whose output it relays."""
     return "worker" in logger and not logger.startswith(("prefect.flow_runs.", "prefect.task_runs"))
+
+
+def flow_run_own(logger: str) -> bool:
+    """A flow run's lines that the worker relays: "Flow run 'twin'" (and a task run's of it)."""
+    return logger.startswith(("Flow run '", "Task run '"))
 
 
 @dataclass

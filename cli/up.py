@@ -28,10 +28,11 @@ from cli.deploy import (
     load_project,
     recipe_default,
 )
+from cli.mlflow_app import MODEL_TRAINING_PAGE
 from cli.up_plan import LOCAL_POOL, Plan, UpOptions, plan_up
 from cli.up_stack import UpError, _become_subreaper, _Stack
 from tasks.recipe import load_recipe
-from tasks.runs.run_slot import ensure_names_lock
+from tasks.slots import ensure_names_lock
 from trainers.contract import EXIT_BAD_INPUT, EXIT_FAILED
 
 STATE_FILE = "state.json"
@@ -207,10 +208,15 @@ def _write_state(plan: Plan, stack: _Stack) -> None:
 
 
 # MLflow 3.17 opens its bare address on its GenAI view, and neither a server option nor an experiment tag changes
-# that: the view follows the page's `workflowType`, then the browser's last choice (checked in headless Chromium).
+# that: the view follows the page's `workflowType`, then the browser's last choice. The server `tessera up` starts
+# serves a page that makes model training the browser's choice (cli/mlflow_app.py); a recipe's own server does not.
 MLFLOW_VIEW_NOTE = (
-    "(MLflow's bare address opens its GenAI view and no server setting changes that; this link opens model "
-    "training, and its 'Model training' switch keeps it for your browser)"
+    "(this link makes model training your browser's MLflow view, where the runs, their gauntlet reports and the "
+    "registry are; MLflow's bare address would open its GenAI view)"
+)
+MLFLOW_ELSEWHERE_NOTE = (
+    "(MLflow's bare address opens its GenAI view; this link opens model training, and its 'Model training' switch "
+    "keeps it for your browser)"
 )
 # MLflow 3's registry page greets each new browser with a one-time "new Model Registry UI" modal, a choice kept in
 # the browser's storage that no server option sets. Its "Try it now" is the view of aliases and tags, which is
@@ -221,8 +227,11 @@ MLFLOW_REGISTRY_NOTE = (
 )
 
 
-def mlflow_ui(base: str) -> str:
-    """The MLflow page a person should land on: the experiments, in the model-training view."""
+def mlflow_ui(base: str, served_here: bool = False) -> str:
+    """The MLflow page a person should land on: the experiments, in the model-training view; through the page that
+    keeps that view for the browser when the server is the one `tessera up` runs."""
+    if served_here:
+        return f"{base.rstrip('/')}{MODEL_TRAINING_PAGE}"
     return f"{base.rstrip('/')}/#/experiments?workflowType=machine_learning"
 
 
@@ -232,9 +241,9 @@ def _print_ready(seconds: float, plan: Plan, deployed: list[Deployed], stack: _S
         f"tessera up: ready in {seconds:.1f} s (Ctrl-C stops everything)",
         f"  Prefect UI   {plan.ui}",
         f"  Prefect API  {plan.api}   (export PREFECT_API_URL={plan.api} to use it from a shell)",
-        f"  MLflow UI    {mlflow_ui(plan.mlflow_url)}"
+        f"  MLflow UI    {mlflow_ui(plan.mlflow_url, served_here=plan.mlflow is not None)}"
         + (f"   (store {plan.store})" if plan.store else "   (the recipe's own server: not started here)"),
-        f"  {'':<12} {MLFLOW_VIEW_NOTE}",
+        f"  {'':<12} {MLFLOW_VIEW_NOTE if plan.mlflow is not None else MLFLOW_ELSEWHERE_NOTE}",
         f"  {'':<12} {MLFLOW_REGISTRY_NOTE}",
         f"  worker       {plan.worker_name} on work pool {LOCAL_POOL}",
         "  errors       what these services log as an error is printed here as it happens",

@@ -141,7 +141,7 @@ def _worker(
 
 
 def _mlflow(opts: UpOptions, recipe: Recipe, home: dict, logs: Path, tracking: str, url: str) -> Service:
-    argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking]
+    argv = [sys.executable, "-m", "mlflow", "server", "--app-name", "tessera", "--backend-store-uri", tracking]
     argv += ["--host", opts.host, "--port", str(opts.mlflow_port), "--workers", "1"]
     location = recipe.tracking.artifact_location
     if location:  # where runs logged through this server keep artifacts; tessera's own runs name theirs

@@ -25,7 +25,7 @@ import httpx
 import psutil
 
 from cli.deploy import PROJECT_ROOT
-from cli.service_logs import ErrorReporter, ServiceLog, prefect_worker_own
+from cli.service_logs import ErrorReporter, ServiceLog, flow_run_own, prefect_worker_own
 from trainers.contract import EXIT_FAILED
 
 STARTUP_TIMEOUT_S = 240.0  # a first start migrates a fresh database; 2 cores shared with training are slow
@@ -76,7 +76,12 @@ class _Stack:
     why: str = "stopped by `tessera up` shutting down"
 
     def start(self, service: Service) -> Service:
-        with open(service.log, "wb") as out:
+        # appended, not truncated: a restarted `tessera up` keeps the last session's tracebacks; a line says where
+        # this session begins, and its errors are read from there (ServiceLog's offset)
+        with open(service.log, "ab") as out:
+            out.write(f"\n===== tessera up (pid {os.getpid()}) starts {service.name}: {time.ctime()} =====\n".encode())
+            out.flush()
+            begins = out.tell()
             service.process = subprocess.Popen(
                 service.argv,
                 cwd=PROJECT_ROOT,
@@ -88,7 +93,9 @@ class _Stack:
             )
         self.services[service.name] = service
         own = prefect_worker_own if service.name == "prefect-worker" else (lambda logger: True)
-        self.errors.logs.append(ServiceLog(service.name, service.log, own))
+        self.errors.logs.append(ServiceLog(service.name, service.log, own, offset=begins))
+        if service.name == "prefect-worker":  # the flow runs' own errors (a failing hook), which the worker relays
+            self.errors.logs.append(ServiceLog("a flow run", service.log, flow_run_own, offset=begins))
         return service
 
     def wait_for(self, service: Service, ready: Callable[[], bool], timeout: float = STARTUP_TIMEOUT_S) -> None:

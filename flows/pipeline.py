@@ -21,7 +21,6 @@ from prefect.futures import wait
 from pydantic import BaseModel, Field
 
 from flows.prepare import prepare_recipe_data
-from tasks.gauntlet.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.mlflow_run import open_run, record_run, resolved_uri, served_elsewhere
 from tasks.recipe import NAME_PATTERN, Recipe, load_recipe, run_folder
 from tasks.recipe_form import RecipeOverrides, apply_overrides, form_input
@@ -44,6 +43,7 @@ from tasks.runs.run_record import (
 )
 from tasks.runs.run_slot import one_per_run, run_tag
 from tasks.runs.runtime import prepare_process
+from tasks.training.gauntlet_queue import GauntletQueue, QueueTarget
 from tasks.training.goodput import report_goodput
 from tasks.training.train import MlflowTarget, TrainJob, allow_launches, deliver_metrics, stage_task, stop_launched_jobs
 from tasks.training.train_job import checkpoint_store, make_job, write_job

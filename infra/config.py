@@ -6,7 +6,8 @@ import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+
+from infra.placement import Affinity, KubeModel, Toleration
 
 # The backends this build can launch on; the Prefect form renders it as a dropdown.
 Backend = Literal["local", "kubernetes"]
@@ -22,107 +23,7 @@ _SECRET_LIKE = re.compile(r"(KEY|AUTH|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|US
 _URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
-class _Kube(BaseModel):
-    """Kubernetes-shaped settings: snake_case in recipes, camelCase (as in Kubernetes docs) accepted too."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
-
-
-class Toleration(_Kube):
-    """A pod toleration (core/v1 Toleration), e.g. for the taint GPU node pools carry."""
-
-    key: str | None = Field(None, description="Taint key; empty with operator Exists matches every taint.")
-    operator: Literal["Exists", "Equal"] = Field("Equal", description="Equal compares value; Exists ignores it.")
-    value: str | None = Field(None, description="Taint value, for operator Equal.")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to tolerate; null tolerates every effect."
-    )
-    toleration_seconds: int | None = Field(
-        None, ge=0, description="For NoExecute: how long the pod stays bound after the taint appears."
-    )
-
-
-class SelectorRequirement(_Kube):
-    """One label (or node field) requirement: key, operator, values."""
-
-    key: str = Field(..., description="Label key.")
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(..., description="How to compare.")
-    values: list[str] | None = Field(None, description="Values for In/NotIn (any) and Gt/Lt (one integer).")
-
-
-class NodeSelectorTerm(_Kube):
-    """Node requirements that must all hold (the terms of a list are ORed)."""
-
-    match_expressions: list[SelectorRequirement] = Field(default_factory=list, description="On node labels.")
-    match_fields: list[SelectorRequirement] = Field(default_factory=list, description="On node fields.")
-
-
-class PreferredNodeTerm(_Kube):
-    """A weighted node preference."""
-
-    weight: int = Field(..., ge=1, le=100, description="Added to a node's score when the term matches.")
-    preference: NodeSelectorTerm = Field(..., description="The node requirements preferred.")
-
-
-class NodeSelector(_Kube):
-    """Hard node requirements: a node must match one of the terms."""
-
-    node_selector_terms: list[NodeSelectorTerm] = Field(..., min_length=1, description="ORed terms.")
-
-
-class NodeAffinity(_Kube):
-    """Where pods may (required) and would rather (preferred) run."""
-
-    required_during_scheduling_ignored_during_execution: NodeSelector | None = Field(
-        None, description="Nodes a pod may be scheduled on."
-    )
-    preferred_during_scheduling_ignored_during_execution: list[PreferredNodeTerm] = Field(
-        default_factory=list, description="Weighted preferences among the allowed nodes."
-    )
-
-
-class LabelSelector(_Kube):
-    """A label selector over pods."""
-
-    match_labels: dict[str, str] = Field(default_factory=dict, description="Exact label matches.")
-    match_expressions: list[SelectorRequirement] = Field(default_factory=list, description="Set-based requirements.")
-
-
-class PodAffinityTerm(_Kube):
-    """Pods matching the selector, within the same topology domain."""
-
-    label_selector: LabelSelector = Field(..., description="Which pods.")
-    topology_key: str = Field(..., description="Node label that defines the domain, e.g. topology.kubernetes.io/zone.")
-    namespaces: list[str] = Field(default_factory=list, description="Namespaces to look in; empty: the pod's own.")
-
-
-class WeightedPodAffinityTerm(_Kube):
-    """A weighted pod (anti-)affinity preference."""
-
-    weight: int = Field(..., ge=1, le=100, description="Added to a node's score when the term matches.")
-    pod_affinity_term: PodAffinityTerm = Field(..., description="The term preferred.")
-
-
-class PodAffinity(_Kube):
-    """Co-location (or, as anti-affinity, separation) from other pods."""
-
-    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(
-        default_factory=list, description="Terms that must hold."
-    )
-    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
-        default_factory=list, description="Weighted preferences."
-    )
-
-
-class Affinity(_Kube):
-    """core/v1 Affinity, typed: node affinity and pod (anti-)affinity."""
-
-    node_affinity: NodeAffinity | None = Field(None, description="Constraints on the node.")
-    pod_affinity: PodAffinity | None = Field(None, description="Run near these pods.")
-    pod_anti_affinity: PodAffinity | None = Field(None, description="Run away from these pods.")
-
-
-class SecretRef(_Kube):
+class SecretRef(KubeModel):
     """Credentials held in a Kubernetes Secret of the job's namespace; manifests carry only its name."""
 
     name: str = Field(..., pattern=_DNS_SUBDOMAIN, description="The Secret's name.")
@@ -144,7 +45,7 @@ class SecretRef(_Kube):
         return keys
 
 
-class CacheVolume(_Kube):
+class CacheVolume(KubeModel):
     """A volume for Streaming's local shard cache, mounted at infra.pod_spec.CACHE_DIR."""
 
     size: str = Field("100Gi", pattern=_QUANTITY, description="Size limit of the emptyDir (ignored for a claim).")
@@ -167,7 +68,7 @@ def cpu_cores(quantity: str) -> float:
     return float(number) * _CPU_SUFFIX[suffix]
 
 
-class PrepareJobConfig(_Kube):
+class PrepareJobConfig(KubeModel):
     """`compute.kubernetes.prepare`: the CPU pods that tokenize a recipe's data, as one Indexed Job whose
     completion indexes are the partitions to prepare (docs/KUBERNETES.md, "Data preparation on the cluster").
 
@@ -209,7 +110,7 @@ class PrepareJobConfig(_Kube):
         return self.workers or max(1, int(cpu_cores(self.cpu)))
 
 
-class KubernetesConfig(_Kube):
+class KubernetesConfig(KubeModel):
     """`compute.kubernetes`: the pods a stage trains in, and how failures are handled (docs/KUBERNETES.md)."""
 
     image: str = Field(..., min_length=1, description="Training image built from infra/Dockerfile (tag or digest).")

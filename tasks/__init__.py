@@ -1,7 +1,8 @@
 """Prefect tasks, one unit of work each, and what they share; flows/ sequences them.
 
 data/                the prepare stage's data handling, free of Prefect
-training/            each curriculum stage as a job, relaunched through preemptions; progress, launches, goodput
+training/            each curriculum stage as a job, relaunched through preemptions; progress, launches, goodput;
+                     the queue that scores and registers each checkpoint while a stage trains
 gauntlet/            checkpoints scored on the gauntlet, while a run trains and outside one
 registry/            model versions, aliases, their records, and the champion's promotion
 runs/                a flow run's own life: set-up, one slot per run name, bookkeeping, how it ends
@@ -15,5 +16,6 @@ mlflow_run.py        the run's MLflow run, found or created once per run name; t
 tracking_config.py   the recipe's `tracking` section
 retry.py             retry conditions: what may be transient, never what fails the same way again
 disk.py              a full disk said in one line, naming the folder and its free space
+slots.py             one-slot Prefect concurrency limits: the run-name slot's and the promotion lock's
 artifacts.py         Prefect artifact keys, scoped to the run
 """

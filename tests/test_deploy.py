@@ -176,7 +176,8 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     assert deployment(api, "prepare_data/prepare")["parameters"] == {"params": {"recipe": served}}
     assert deployment(api, "tessera-eval/eval")["parameters"] == {}
     weekly = deployment(api, "continued_pretraining/continued-pretraining-weekly")
-    assert weekly["parameters"] == {"params": {"recipe": served, "new_data": "data/incoming"}}
+    # the folder a person drops files in, whole: not a path relative to some checkout
+    assert weekly["parameters"] == {"params": {"recipe": served, "new_data": str(ROOT / "data" / "incoming")}}
     # and the bounds only that recipe knows: its stages to choose from, the tokens of a step to be a multiple of
     from tasks.recipe import load_recipe
 
@@ -201,9 +202,14 @@ def test_up_serves_the_deployments_on_an_online_local_worker(live_stack):
     printed = live_stack.output.read_text()
     assert f"every form's recipe defaults to {served}" in printed
     # the MLflow link that lands on training, and the one line on why the bare address does not
-    assert f"MLflow UI    {live_stack.mlflow_url}/#/experiments?workflowType=machine_learning" in printed
+    assert f"MLflow UI    {live_stack.mlflow_url}/tessera/model-training" in printed
     assert "'new Model Registry UI': 'Try it now' shows the aliases" in printed
-    assert "MLflow's bare address opens its GenAI view and no server setting changes that" in printed
+    assert "this link makes model training your browser's MLflow view" in printed
+    # the page that link opens, served by the MLflow server `tessera up` runs (cli/mlflow_app.py)
+    page = httpx.get(f"{live_stack.mlflow_url}/tessera/model-training", timeout=30)
+    assert page.status_code == 200
+    assert 'localStorage.setItem("mlflow.workflowType_v1", JSON.stringify("machine_learning"))' in page.text
+    assert 'location.replace("../#/experiments?workflowType=machine_learning")' in page.text
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in weekly["schedules"]] == [
         ("0 3 * * 1", "UTC", True)
     ]

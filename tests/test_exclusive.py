@@ -16,7 +16,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from tasks.runs.flow_outcome import REFUSED, run_or_end
-from tasks.runs.run_slot import RunBusy, ensure_limit, holder_tag, limit_name, one_per_run, run_tag
+from tasks.runs.run_slot import RunBusy, holder_tag, limit_name, one_per_run, run_tag
+from tasks.slots import ensure_limit
 
 
 @flow(name="hold-run-name")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.gauntlet.gauntlet_queue import Backlog
+from tasks.training.gauntlet_queue import Backlog
 from trainers.format.checkpoints import CheckpointInfo
 from trainers.format.store import LocalCheckpoints, S3Checkpoints, open_store
 

@@ -250,9 +250,9 @@ def test_the_queue_in_pods_pins_remotely_drops_stale_pins_and_skips_the_oldest_w
     is pinned there; with evaluations busy, only MAX_WAITING wait and the older are skipped and unpinned."""
     from evaluation.config import EvalConfig
     from infra.config import ComputeConfig
-    from tasks.gauntlet import gauntlet_queue
-    from tasks.gauntlet.gauntlet_queue import MAX_WAITING, GauntletQueue, QueueTarget
     from tasks.tracking_config import TrackingConfig
+    from tasks.training import gauntlet_queue
+    from tasks.training.gauntlet_queue import MAX_WAITING, GauntletQueue, QueueTarget
     from trainers.format.store import S3Checkpoints
 
     ckpts = _checkpoints(tmp_path, [256, 512, 768, 1024, 1280])

@@ -136,3 +136,54 @@ def test_mlflow_errors_a_crash_with_no_log_line_and_chained_exceptions_are_said(
         f"tessera up: mlflow logged an error: mlflow.server: Exception on /api/2.0/mlflow/runs/update -> "
         f"sqlalchemy.exc.IntegrityError: (sqlite3.IntegrityError) UNIQUE constraint failed: runs.name (see {mlflow})"
     ]
+
+
+def test_a_flow_runs_error_in_the_workers_log_is_said_with_the_runs_name(tmp_path):
+    """What `tessera up` reads beside the worker's own errors (cli/up_stack.py): the flow runs' ERROR lines, such as a
+    hook that failed after a cancel, said once each with the run's name; the worker's own lines are not theirs."""
+    from cli.service_logs import flow_run_own
+
+    worker = tmp_path / "prefect-worker.log"
+    worker.write_text(
+        "11:00:01.000 | INFO    | prefect.flow_runs.worker - Worker submitting flow run 'abc'\n"
+        "11:00:02.000 | ERROR   | Flow run 'weekly-cpt-v1-0123abcd' - An error was encountered while running hook "
+        "'_record_end'\n"
+        "Traceback (most recent call last):\n"
+        '  File "runner.py", line 1, in <module>\n'
+        "TypeError: _record_end() got an unexpected keyword argument 'flow_run'\n"
+        "11:00:04.000 | ERROR   | prefect.workers.process.tessera-up@vm - Failed to submit flow run\n"
+        "11:00:05.000 | INFO    | Flow run 'weekly-cpt-v1-0123abcd' - Hook '_record_end' finished running\n"
+    )
+    errors, said, _ = reporter(ServiceLog("a flow run", worker, flow_run_own))
+    errors.poll()
+    errors.poll()
+    assert said == [
+        "tessera up: a flow run logged an error: Flow run 'weekly-cpt-v1-0123abcd': An error was encountered while "
+        "running hook '_record_end' -> TypeError: _record_end() got an unexpected keyword argument 'flow_run' "
+        f"(see {worker})"
+    ]
+
+
+def test_a_restarted_stack_appends_to_its_logs_and_reads_errors_from_its_own_start(tmp_path):
+    """`tessera up` started again keeps the last session's log (its tracebacks were lost to truncation), and says
+    only the errors its own session logs."""
+    import sys
+
+    from cli.up_stack import Service, _Stack
+
+    log = tmp_path / "prefect-server.log"
+    line = "11:00:02.000 | ERROR   | prefect.server.services.scheduler - {}"
+    for text in ("the last session's error", "this session's error"):
+        stack = _Stack()
+        said: list[str] = []
+        stack.errors.say = said.append
+        code = f"print({line.format(text)!r})"
+        service = stack.start(Service("prefect-server", [sys.executable, "-c", code], {}, log, ""))
+        assert service.process is not None and service.process.wait(timeout=60) == 0
+        stack.errors.poll(final=True)
+        assert said == [
+            f"tessera up: prefect-server logged an error: prefect.server.services.scheduler: {text} (see {log})"
+        ]
+    kept = log.read_text()
+    assert "the last session's error" in kept and "this session's error" in kept
+    assert kept.count("===== tessera up (pid ") == 2

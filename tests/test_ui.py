@@ -262,6 +262,15 @@ def test_mlflow_shows_the_run_and_the_registry(first_hour, person):
     experiment = client.get_experiment_by_name("tessera-tiny")
     run = client.search_runs([experiment.experiment_id], f"tags.`tessera.run_name` = '{RUN}'")[0]
     tracking = TrackingConfig(tracking_uri=person.stack.mlflow_url, registered_model="tessera-tiny")
+    # the link `tessera up` prints, then clicks: the experiment opens on its runs, not GenAI's usage page
+    person.page.goto(f"{person.stack.mlflow_url}/tessera/model-training")
+    person.see("tessera-tiny", timeout_s=60)
+    close_the_assistant(person.page)
+    person.page.get_by_role("link", name="tessera-tiny").first.click()
+    person.see(RUN, timeout_s=60)
+    assert "workflowType=genai" not in person.page.url and "/overview" not in person.page.url, person.page.url
+    assert person.page.evaluate('window.localStorage.getItem("mlflow.workflowType_v1")') == '"machine_learning"'
+    person.shot("mlflow-experiment-clicked")
     person.page.goto(run_ui_url(tracking, run.info.run_id, experiment.experiment_id))
     person.see(RUN, timeout_s=60)
     person.see("train/loss", timeout_s=60)

@@ -49,6 +49,7 @@ from composer.loggers import Logger
 
 from trainers import heartbeat
 from trainers.contract import CACHE_DIR_ENV, COMPILE_CACHE_ENV
+from trainers.exit_codes import FatalError
 
 log = logging.getLogger("tessera.compile")
 
@@ -151,8 +152,6 @@ class Guard:
         return functools.wraps(fn)(functools.partial(self.call, compiled, fn))
 
     def _failed(self, exc: BaseException) -> None:
-        from trainers.exit_codes import FatalError
-
         reason = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
         if self.fatal:
             raise FatalError(f"train.compile is true and compiling failed: {reason}") from None

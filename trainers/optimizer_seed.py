@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from trainers.exit_codes import FatalError
-from trainers.format.checkpoints import Checked, DamagedCheckpoint, verify
+from trainers.format.checkpoints import MANIFEST_DIR, Checked, DamagedCheckpoint, verify
+from trainers.format.s3 import s3_client, split_uri
 from trainers.format.safe_load import UnsafeCheckpoint, load
 from trainers.format.sharded import read_values
 
@@ -28,9 +29,6 @@ def _local(uri: str, tmp: str) -> str:
     if "://" not in uri:
         return uri
     from composer.utils import get_file
-
-    from trainers.format.checkpoints import MANIFEST_DIR
-    from trainers.format.s3 import s3_client, split_uri
 
     dest = Path(tmp) / Path(uri).name
     get_file(uri, str(dest), overwrite=True)

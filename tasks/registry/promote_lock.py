@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from tasks.runs.run_slot import ensure_limit, slot_timeout
+from tasks.slots import ensure_limit, slot_timeout
 from trainers.contract import EXIT_FAILED, OneLineError
 
 LEASE_S = 60.0

@@ -33,6 +33,7 @@ from typing import Literal
 
 from prefect.logging import get_run_logger
 
+from tasks.slots import ensure_limit, slot_timeout
 from trainers.contract import OneLineError
 
 # Short: after a SIGKILLed flow, a rerun should not wait long for the slot to be freed. The
@@ -68,54 +69,6 @@ def free_by_hand(run_name: str) -> str:
         f"if no run of it is live, free the slot by hand with `prefect gcl update {limit_name(run_name)} "
         "--active-slots 0`"
     )
-
-
-# Creating a run name's limit is serialized through this one: two flow runs of a new run name (a double
-# click) would both create it, and the server, while answering the second 409, logs an IntegrityError
-# that `tessera up` would rightly print as a server error. `tessera up` and `tessera deploy` create it.
-NAMES_LOCK = "tessera-run-names"
-
-
-def ensure_names_lock() -> None:
-    """Create NAMES_LOCK (one slot) unless the server has it."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(NAMES_LOCK)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=NAMES_LOCK, limit=1))
-
-
-def ensure_limit(name: str) -> None:
-    """Create the one-slot global concurrency limit `name` unless the server has it (creations serialized)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    def missing(client) -> bool:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-            return False
-        except ObjectNotFound:
-            return True
-
-    with get_client(sync_client=True) as client:
-        if not missing(client):
-            return
-        try:
-            client.read_global_concurrency_limit_by_name(NAMES_LOCK)
-            serialized = concurrency(NAMES_LOCK, occupy=1, timeout_seconds=60, strict=True)
-        except ObjectNotFound:  # a server `tessera up`/`tessera deploy` never set up (the CLI's own): no race
-            serialized = contextlib.nullcontext()
-        with serialized:
-            if missing(client):
-                with contextlib.suppress(ObjectAlreadyExists):
-                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
 def _live_runs(tag: str, me: str | None) -> list:
@@ -250,15 +203,6 @@ def add_tags(flow_run_id: str | None, tags: list[str]) -> None:
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(flow_run_id).tags
         client.update_flow_run(flow_run_id, tags=sorted(set(current) | set(tags)))
-
-
-def slot_timeout() -> type[TimeoutError]:
-    """What Prefect's `concurrency()` raises when no slot freed up in time. No public module of Prefect 3 exports
-    it (it is prefect.concurrency._asyncio's), and the builtin TimeoutError it extends would also catch a stalled
-    server's asyncio timeout, which is no busy run: so this is tessera's one import of a private Prefect module."""
-    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
-
-    return AcquireConcurrencySlotTimeoutError
 
 
 @contextlib.contextmanager

@@ -1,19 +1,14 @@
 """Where a run's checkpoints are kept, read the same way on disk and in object storage.
 
-A `CheckpointStore` is one run's save folder seen by whoever is not writing it: the flow's gauntlet queue,
-the stage task, goodput, continued pretraining and registration. It has two faces:
-
-- `LocalCheckpoints`: the trainer's own folder on this machine (the local backend). A pin is a hard link in a
-  pins folder (a copy across filesystems), so keep-last-K may delete the published name meanwhile.
-- `S3Checkpoints`: the s3:// mirror (`train.save_folder: s3://...`) that pods keep in step with their disk.
-  A pin is a marker object `pins/<checkpoint name>` that the trainer's remote keep-last-K leaves alone.
-
-Both list the complete checkpoints (the manifest is the done-marker, here and there), pin and unpin, read a
-run file, retire (manifest first) and publish (files first, manifest last). `open_store` picks the face, so no
-caller branches on where the folder is. The trainer's uploader (trainers/remote.py) is the s3 face plus its
-background uploads.
-
-Like the rest of this package it imports nothing else of tessera; boto3 only when s3 is used (s3.py).
+A `CheckpointStore` is one run's save folder seen by whoever is not writing it (the gauntlet queue, the stage task,
+goodput, continued pretraining, registration). `LocalCheckpoints` is the trainer's folder on this machine, where a
+pin is a hard link in a pins folder (a copy across filesystems), so keep-last-K may delete the published name
+meanwhile; `S3Checkpoints` the s3:// mirror pods keep in step with their disk, where a pin is a marker object
+`pins/<checkpoint name>` the trainer's remote keep-last-K leaves alone. Both list the complete checkpoints (the
+manifest is the done-marker), pin and unpin, read a run file, retire (manifest first) and publish (files first,
+manifest last); `open_store` picks the face, so no caller branches on where the folder is. The trainer's uploader
+(trainers/remote.py) is the s3 face plus its background uploads. Like the rest of this package it imports nothing
+else of tessera; boto3 only when s3 is used (s3.py).
 """
 
 from __future__ import annotations
@@ -163,14 +158,14 @@ class LocalCheckpoints(CheckpointStore):
         return target
 
     def unpin(self, pinned: CheckpointInfo) -> None:
-        _drop(Path(pinned.path))
+        remove(Path(pinned.path))
 
     def drop_pins(self) -> list[str]:
         if not self.pins.is_dir():
             return []
         stale = sorted(p.name for p in self.pins.iterdir())
         for name in stale:
-            _drop(self.pins / name)
+            remove(self.pins / name)
         return stale
 
     def read_text(self, name: str) -> str:
@@ -189,13 +184,6 @@ class LocalCheckpoints(CheckpointStore):
 
     def publish(self, info: CheckpointInfo) -> CheckpointInfo:
         return checkpoints.publish(self.folder, info)
-
-
-def _drop(pin: Path) -> None:
-    if pin.is_dir():
-        shutil.rmtree(pin, ignore_errors=True)
-    else:
-        pin.unlink(missing_ok=True)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
