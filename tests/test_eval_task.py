@@ -230,6 +230,26 @@ def test_evaluate_checkpoint_logs_to_mlflow_and_prefect(
     ]
     files = {f.path for f in client.list_artifacts(run_id, "eval")}
     assert {summary.report_html, summary.report_json, summary.table} <= files
+
+    # A rerun of the run (a cancel came between scoring and registering): the same bytes on the same gauntlet
+    # are read from Prefect's cache, not scored again; the MLflow run gains no point
+    @flow(name="eval-test-rerun")
+    def again():
+        return evaluate_checkpoint(info, small_gauntlet, tracking, run_id, 128, "tiny", return_state=True)
+
+    state = again()
+    assert state.name == "Cached" and state.result() == summary
+    assert len(client.get_metric_history(run_id, "gauntlet/core_average")) == 2
+    from tasks.gauntlet.evaluate import scored_key
+
+    params = {"checkpoint": info, "cfg": small_gauntlet, "run_id": run_id, "max_seq_len": 128}
+    keys = {  # other bytes at the same tokens, another gauntlet, another run: each scored anew
+        scored_key(None, params),
+        scored_key(None, params | {"checkpoint": info.model_copy(update={"sha256": "0" * 64})}),
+        scored_key(None, params | {"cfg": small_gauntlet.model_copy(update={"seed": 7})}),
+        scored_key(None, params | {"run_id": "another"}),
+    }
+    assert len(keys) == 4
     table = json.loads(Path(client.download_artifacts(run_id, summary.table)).read_text())
     assert table["columns"][:2] == ["task", "shots"] and len(table["data"]) == 3
     html = Path(client.download_artifacts(run_id, second.report_html)).read_text()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import CacheKeyFnPolicy
 from pydantic import BaseModel, Field
 
 from evaluation.config import EvalConfig
@@ -51,13 +51,29 @@ class EvalSummary(BaseModel):
 retry_unless_bad_input = retry_unless(GauntletError)
 
 
-# Not cached: the side effects (MLflow metrics, artifacts) are the point, and a rerun is idempotent
-# enough (same metric values at the same step) while a stale cache hit would hide a changed gauntlet.
+def scored_key(context, parameters: dict) -> str:
+    """A checkpoint's score is kept (Prefect's cache, its result persisted) under everything it depends on: the
+    MLflow run it was logged to, the checkpoint's bytes (its manifest's SHA-256, or its files'), the gauntlet's
+    identity (task files, settings, scoring code: evaluation.identity) and the sequence length. A rerun after a
+    cancel or a crash between scoring and registering reads it instead of scoring the same bytes again (the report
+    is in the run already); a changed gauntlet or checkpoint is another key, so nothing stale is ever read."""
+    import hashlib
+
+    from evaluation.identity import gauntlet_hash
+
+    ckpt: CheckpointInfo = parameters["checkpoint"]
+    files = json.dumps([f.model_dump() for f in ckpt.files or []], sort_keys=True)
+    digest = ckpt.sha256 or hashlib.sha256(f"{Path(ckpt.path).name}\0{files}".encode()).hexdigest()
+    parts = [parameters["run_id"], str(ckpt.tokens), digest, gauntlet_hash(parameters["cfg"])]
+    return "gauntlet-" + "-".join(parts + [str(parameters["max_seq_len"])])
+
+
 @task(
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_unless_bad_input,
-    cache_policy=NO_CACHE,
+    cache_policy=CacheKeyFnPolicy(cache_key_fn=scored_key),
+    persist_result=True,
     task_run_name="evaluate-tok-{checkpoint.tokens}",
 )
 def evaluate_checkpoint(
