@@ -121,7 +121,7 @@ def test_a_flipped_byte_in_the_source_is_one_fatal_line_with_both_hashes_and_not
         name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
     at = member.header_offset + 30 + name_len + extra_len + member.file_size // 2
     _flip(path, at)
-    fresh = torch.optim.AdamW(Net(8).parameters(), lr=5e-4)
+    fresh = torch.optim.AdamW(net.parameters(), lr=5e-4)  # nothing in it yet
     with pytest.raises(FatalError) as refused:
         seed_optimizer(net, fresh, path)
     line = str(refused.value)
