@@ -103,12 +103,23 @@ def matmul_gflops(device: torch.device) -> float:
     where the mean over the whole probe was the load of the moment: two ranks on a machine at load 8 differed by
     1.7x that way, enough to name the wrong rank slow.
 
-    On a CPU a window is timed by the CPU the process spent in it, not the wall clock: a rank whose cores were
-    given to other processes for a whole tenth of a second (a busy machine's time slices are longer than the
-    probe) had no uncontended window at all, and CI named it slow at 2x. A GPU's windows are the device's own, on
-    the wall clock."""
+    On a CPU the probe runs on this thread alone (one intra-op thread) and a window is timed by the CPU this thread
+    spent in it, not the wall clock: a rank whose cores were given to other processes for a whole tenth of a second
+    (a busy machine's time slices are longer than the probe) had no uncontended window at all, and CI named it slow
+    at 2x; the process's CPU would count its other threads too (the heartbeat, the store, data prefetch). So a CPU
+    rank's figure is one core's rate. A GPU's windows are the device's own, on the wall clock."""
+    if device.type != "cuda":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _matmul_gflops(device, time.thread_time)
+        finally:
+            torch.set_num_threads(threads)
+    return _matmul_gflops(device, time.perf_counter)
+
+
+def _matmul_gflops(device: torch.device, clock) -> float:
     n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm up: the first call pays for kernel selection
