@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -134,3 +135,149 @@ def test_a_bucket_that_does_not_exist_is_a_lasting_store_error(moto_s3):
     with pytest.raises(StoreError, match=r"^s3://nowhere/runs: bucket 'nowhere' does not exist$") as caught:
         S3Checkpoints("s3://nowhere/runs").complete()
     assert caught.value.lasting
+
+
+class _Folder:
+    """The checkpoint store's face the queue uses, over names only: what is pinned is what this test is about."""
+
+    def __init__(self, tokens: list[int]):
+        self.infos = [_info(Path(f"/ckpt/tiny-s0-tok{t}-rank0.pt"), t) for t in tokens]
+        self.pinned: set[int] = set()
+
+    def complete(self):
+        return self.infos
+
+    def pin(self, info):
+        self.pinned.add(info.tokens)
+        return info
+
+    def unpin(self, info):
+        self.pinned.discard(info.tokens)
+
+    def drop_pins(self):
+        return []
+
+    def where(self, info):
+        return info.path
+
+    def model_home(self, tokens):
+        return None
+
+
+class Stopped(Exception):
+    pass
+
+
+def _queue_flow(monkeypatch, folder: _Folder, slow_s: float, stop: bool = False, later: tuple[int, ...] = ()):
+    """A flow that runs the real queue on Prefect's real engine and task runner, with evaluation and registration
+    stand-ins (a sleep, a failure for 256 tokens) in place of the gauntlet and MLflow."""
+    from types import SimpleNamespace
+
+    from prefect import flow, task
+
+    from evaluation.config import EvalConfig
+    from infra.config import ComputeConfig
+    from tasks.tracking_config import TrackingConfig
+    from tasks.training import gauntlet_queue
+    from tasks.training.gauntlet_queue import GauntletQueue, QueueTarget
+
+    registered: list[int] = []
+    evaluated: list[int] = []  # as each evaluation starts
+
+    @task(name="evaluate_checkpoint")
+    def evaluate(ckpt, *_):
+        evaluated.append(ckpt.tokens)
+        time.sleep(slow_s)
+        if ckpt.tokens == 256:
+            raise RuntimeError("the gauntlet's task file lambada.jsonl is missing")
+        return {"tokens": ckpt.tokens}
+
+    @task(name="register_checkpoint")
+    def register(ckpt, summary, *_):
+        assert summary == {"tokens": ckpt.tokens}  # its own evaluation's score, resolved
+        registered.append(ckpt.tokens)
+        return SimpleNamespace(tokens=ckpt.tokens)
+
+    monkeypatch.setattr(gauntlet_queue, "evaluate_checkpoint", evaluate)
+    monkeypatch.setattr(gauntlet_queue, "register_checkpoint", register)
+    monkeypatch.setattr(gauntlet_queue, "existing_registrations", lambda *_: {})
+    target = QueueTarget(
+        run_name="tiny",
+        run_id="r",
+        eval=EvalConfig.model_validate({"every": 256, "tasks": "unused.yaml"}),
+        tracking=TrackingConfig.model_validate({"registered_model": "tiny"}),
+        compute=ComputeConfig(),
+        seq_len=32,
+        recipe_hash="h",
+    )
+    ids: list = []
+    during: list[int] = []  # what was evaluated before results(), while the "stage" still ran
+
+    @flow
+    def train_and_queue():
+        from prefect.runtime import flow_run
+
+        ids.append(flow_run.id)
+        queue = GauntletQueue(target, folder)
+        queue.sweep()
+        for tokens in later:  # the stage saves another checkpoint: the flow's next sweeps find it
+            folder.infos.append(_info(Path(f"/ckpt/tiny-s0-tok{tokens}-rank0.pt"), tokens))
+            deadline = time.monotonic() + 60
+            while tokens not in evaluated and time.monotonic() < deadline:
+                queue.sweep()
+                time.sleep(0.2)
+        during.extend(evaluated)
+        if stop:  # the flow body ends while the evaluation runs, as a cancel ends it (TerminationSignal, which in
+            # a test's own process Prefect would answer by signalling the process again)
+            raise Stopped("cancelled")
+        return sorted(r.tokens for r in queue.results())
+
+    return train_and_queue, registered, ids, during
+
+
+def _task_states(flow_run_id) -> dict[str, list[str]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    states: dict[str, list[str]] = {}
+    for run in runs:
+        states.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.type.value)  # "evaluate_checkpoint-ad0"
+    return states
+
+
+def test_a_failed_evaluation_skips_only_its_registration_and_the_others_register_in_order(prefect_harness, monkeypatch):
+    folder = _Folder([256, 512, 768])
+    train_and_queue, registered, ids, _ = _queue_flow(monkeypatch, folder, slow_s=0.2)
+    with pytest.raises(RuntimeError, match="lambada.jsonl is missing"):  # results() surfaces it, after the others
+        train_and_queue()
+    assert registered == [512, 768]
+    assert folder.pinned == set()  # each pin released: registered, or its evaluation failed
+    states = _task_states(ids[0])
+    assert sorted(states["evaluate_checkpoint"]) == ["COMPLETED", "COMPLETED", "FAILED"]
+    assert states["register_checkpoint"] == ["COMPLETED", "COMPLETED"]
+
+
+def test_a_flow_stopped_while_a_checkpoint_is_scored_leaves_no_task_crashed(prefect_harness, monkeypatch):
+    """The cancel of issue 42: a registration chained on a running evaluation waited in a task thread, and Prefect's
+    task runner, cancelling as the flow ended, left it orange Crashed. The queue submits a registration only once
+    its evaluation has ended: the evaluation runs to its end, and no registration starts."""
+    folder = _Folder([1024])
+    train_and_queue, registered, ids, _ = _queue_flow(monkeypatch, folder, slow_s=3.0, stop=True)
+    with pytest.raises(Stopped):
+        train_and_queue()
+    states = _task_states(ids[0])
+    assert states == {"evaluate_checkpoint": ["COMPLETED"]}, states
+    assert registered == []
+
+
+def test_checkpoints_are_scored_while_the_stage_trains_once_the_evaluation_before_is_done(prefect_harness, monkeypatch):
+    """Each new checkpoint is scored as soon as the one before is, while the stage trains, not when it ends: with no
+    registration waiting on an evaluation, `prefect.futures.wait(fs, timeout=0)` alone would take an ended
+    evaluation for running (gauntlet_queue._ended), and checkpoints would be skipped as "behind training"."""
+    folder = _Folder([512])
+    train_and_queue, registered, _, during = _queue_flow(monkeypatch, folder, slow_s=0.2, later=(768, 1024))
+    assert train_and_queue() == [512, 768, 1024]
+    assert during == [512, 768, 1024]
+    assert registered == [512, 768, 1024]

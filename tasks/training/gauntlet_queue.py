@@ -2,13 +2,18 @@
 
 While a stage trains, the flow calls `GauntletQueue.sweep` every few seconds. Evaluations run one at a
 time in this process (they share the CPU with training; on Kubernetes they are pods, bounded by
-compute.kubernetes.eval_concurrency, a Prefect concurrency limit) and registrations one at a time (alias
-moves must not interleave): each is chained on the one before with Prefect's `wait_for`, so a failed
-evaluation skips only its own registration. Each checkpoint is pinned first against the trainer's
-keep-last-K rotation, and unpinned once registered; at most `MAX_WAITING` pinned checkpoints wait behind
-the ones being scored (`Backlog`): pins escape keep-last-K, so without the bound they could fill the disk.
-When the gauntlet is slower than the checkpoint interval, the oldest waiting are skipped (and unpinned), each
-named in a log line, and the newest are scored.
+compute.kubernetes.eval_concurrency, a Prefect concurrency limit) and registrations one at a time, in the
+checkpoints' order (alias moves must not interleave). A registration is submitted only once its evaluation has
+ended and the registration before it is done, so a failed evaluation skips only its own registration, and no
+task ever waits in a thread for another: when the flow run is stopped, Prefect's task runner cancels what has
+not started and waits for what runs, so every task run of a cancelled flow ends Completed or never starts, none
+Crashed (a task thread waiting on `wait_for` when the runner cancels would be). A score a stopped run did not
+register is cached (tasks/gauntlet/evaluate.py): its rerun registers it without running the gauntlet again.
+
+Each checkpoint is pinned first against the trainer's keep-last-K rotation, and unpinned once registered; at
+most `MAX_WAITING` pinned checkpoints wait behind the ones being scored (`Backlog`): pins escape keep-last-K, so
+without the bound they could fill the disk. When the gauntlet is slower than the checkpoint interval, the oldest
+waiting are skipped (and unpinned), each named in a log line, and the newest are scored.
 
 The queue reads the run's checkpoints through one CheckpointStore (trainers/format/store.py): the trainer's
 folder, or on Kubernetes, where that folder is in the pods, its s3 mirror (a sweep is one LIST there; each
@@ -22,7 +27,6 @@ from typing import Generic, TypeVar
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture, wait
-from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel, ConfigDict
 
 from evaluation.config import EvalConfig
@@ -36,6 +40,7 @@ from trainers.format.store import CheckpointStore
 T = TypeVar("T")
 
 MAX_WAITING = 2  # checkpoints queued behind the one being scored
+POLL_S = 1.0  # how often results() looks for an ended evaluation to register
 
 
 @dataclass
@@ -104,13 +109,17 @@ class GauntletQueue:
             )
         self.backlog: Backlog[tuple[CheckpointInfo, CheckpointInfo]] = Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
-        self.pending: list[tuple[PrefectFuture, PrefectFuture]] = []  # (evaluation, registration)
+        # evaluations not yet handed to a registration, in the checkpoints' order: (evaluation, pinned)
+        self.scoring: list[tuple[PrefectFuture, CheckpointInfo]] = []
+        self.pending: list[tuple[PrefectFuture, PrefectFuture | None]] = []  # (evaluation, its registration or None)
         self.held: list[tuple[PrefectFuture, CheckpointInfo]] = []  # (registration, pinned): unpinned once done
+        self.origin: dict[int, CheckpointInfo] = {}  # an evaluation's checkpoint (the pin's path is another)
         self.done: list[Registration] = []
         self.already = existing_registrations(target.tracking, self.run_id)
 
     def sweep(self) -> None:
         self._unpin_finished()
+        self._register_scored()
         for ckpt in self.store.complete():
             if ckpt.tokens not in self.seen:
                 self.seen.add(ckpt.tokens)
@@ -148,7 +157,8 @@ class GauntletQueue:
         process, compute.kubernetes.eval_concurrency in pods."""
         pods = self.target.compute.kubernetes
         at_once = pods.eval_concurrency if self._in_pods and pods is not None else 1
-        return len(wait([summary for summary, _ in self.pending], timeout=0).not_done) >= at_once
+        scoring = [summary for summary, _ in self.scoring]
+        return len(scoring) - len(_ended(scoring)) >= at_once
 
     def _submit_if_idle(self) -> None:
         while len(self.backlog) and not self._scoring():
@@ -164,7 +174,8 @@ class GauntletQueue:
         return self.target.compute.backend == "kubernetes"
 
     def _submit(self, ckpt: CheckpointInfo, pinned: CheckpointInfo) -> None:
-        previous = self.pending[-1] if self.pending else None
+        # in-process evaluations share the CPU with training: one at a time (_scoring gates the submit, so none
+        # waits on another); pods are bounded by compute.kubernetes.eval_concurrency (a Prefect concurrency limit)
         summary = evaluate_checkpoint.submit(
             pinned,
             self.eval_cfg,
@@ -172,30 +183,40 @@ class GauntletQueue:
             self.run_id,
             self.target.seq_len,
             self.run_name,
-            # in-process evaluations share the CPU with training: one at a time; pods are bounded by
-            # compute.kubernetes.eval_concurrency (a Prefect concurrency limit) instead
             self.target.compute,
-            wait_for=[allow_failure(previous[0])] if previous and not self._in_pods else None,
         )
-        # The version records where the checkpoint itself lives (not the pin, which goes once registered),
-        # so continued pretraining can find its optimizer state.
-        where = self.store.where(ckpt)
-        registration = register_checkpoint.submit(
-            pinned,
-            summary,
-            self.target.tracking,
-            self.run_id,
-            self.target.recipe_hash,
-            self.store.model_home(ckpt.tokens),
-            {**self.version_tags, "checkpoint": where},
-            wait_for=[allow_failure(previous[1])] if previous else None,
-        )
-        self.pending.append((summary, registration))
-        self.held.append((registration, pinned))
+        self.scoring.append((summary, pinned))
+        self.origin[id(summary)] = ckpt
+
+    def _register_scored(self) -> None:
+        """The oldest evaluation's registration, once that evaluation has ended and no registration runs."""
+        while self.scoring and len(_ended([r for r, _ in self.held])) == len(self.held):
+            summary, pinned = self.scoring[0]
+            if not _ended([summary]):
+                return
+            self.scoring.pop(0)
+            ckpt = self.origin.pop(id(summary))
+            if not summary.state.is_completed():  # results() raises it; the checkpoint is not a version
+                self.store.unpin(pinned)
+                self.pending.append((summary, None))
+                continue
+            # The version records where the checkpoint itself lives (not the pin, which goes once registered),
+            # so continued pretraining can find its optimizer state.
+            registration = register_checkpoint.submit(
+                pinned,
+                summary,
+                self.target.tracking,
+                self.run_id,
+                self.target.recipe_hash,
+                self.store.model_home(ckpt.tokens),
+                {**self.version_tags, "checkpoint": self.store.where(ckpt)},
+            )
+            self.pending.append((summary, registration))
+            self.held.append((registration, pinned))
 
     def _unpin_finished(self) -> None:
         """Each pin released once, when its registration is done (a remote unpin is a request)."""
-        finished = wait([r for r, _ in self.held], timeout=0).done  # local futures: no API round trip
+        finished = _ended([r for r, _ in self.held])
         for registration, pinned in self.held:
             if registration in finished:
                 self.store.unpin(pinned)
@@ -213,11 +234,30 @@ class GauntletQueue:
 
     def results(self) -> list[Registration]:
         """Every registration, oldest first; raises the first evaluation or registration error."""
-        while len(self.backlog):  # training is over: what is still waiting is scored, in order
-            self._submit_next()
-        wait([f for pair in self.pending for f in pair])
-        self._unpin_finished()
+        # training is over: what is still waiting is scored and registered, in order
+        while len(self.backlog) or self.scoring or self.held:
+            self._submit_if_idle()
+            self._unpin_finished()
+            self._register_scored()
+            outstanding = [f for f, _ in self.scoring] + [r for r, _ in self.held]
+            if outstanding:
+                wait(outstanding, timeout=POLL_S)
         for summary, registration in self.pending:
-            summary.result()  # surfaces a failed evaluation as itself, not as an unfinished registration
-            self.done.append(registration.result())
+            summary.result()  # surfaces a failed evaluation as itself
+            if registration is not None:
+                self.done.append(registration.result())
         return sorted(self.done, key=lambda r: r.tokens)
+
+
+def _ended(futures: list[PrefectFuture]) -> set[PrefectFuture]:
+    """The futures whose task runs have ended, from the local futures alone (no API round trip).
+
+    `prefect.futures.wait(fs, timeout=0)` alone cannot say this: it counts a future done only once the future holds
+    its final state, which only a wait on that future stores, and with no time to wait it stops before reading the
+    completions it was told of. While each registration was chained on its evaluation, the registration's thread
+    did that wait; without it an ended evaluation would look busy until the stage's end. A zero wait on each future
+    stores the final state of those that ended (and the `state` read after it asks no server).
+    """
+    for future in futures:
+        future.wait(timeout=0)
+    return set(wait(futures, timeout=0).done) if futures else set()
