@@ -124,6 +124,38 @@ def test_a_refusal_ends_the_flow_run_refused_with_its_reason_and_no_error_log(pr
     assert "exited with unexpected exception" not in text and "Traceback" not in text
 
 
+@flow(name="stopped-probe")
+def stopped_probe(during_stop: bool) -> str:
+    from prefect.exceptions import TerminationSignal
+
+    def body() -> str:
+        if not during_stop:
+            raise RuntimeError("release unlocked lock")
+        try:
+            raise TerminationSignal(signal=15)  # Prefect's SIGTERM handler, in the flow's main thread
+        except TerminationSignal:
+            raise RuntimeError("release unlocked lock")  # noqa: B904 -- as CPython raises it: context, no cause
+
+    return run_or_end("x", body, stays=lambda: "its checkpoint at 1,024 tokens stays")
+
+
+def test_a_stop_that_broke_a_lock_on_its_way_out_still_ends_cancelled_with_its_explanation(prefect_harness):
+    """CI at 2d8ddb8: a cancel from the UI ended the flow Failed with "RuntimeError('release unlocked lock')" and
+    no explanation. An error raised while a stop unwinds is the stop; the same error without a stop is an error."""
+    from prefect.exceptions import Abort
+
+    with pytest.raises(Abort) as ended:
+        stopped_probe(True)
+    state = ended.value.state
+    assert (state.type.value, state.name, state.message) == (
+        "CANCELLED",
+        "Cancelled",
+        "cancelled: every rank of run 'x' was stopped; its checkpoint at 1,024 tokens stays",
+    )
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        stopped_probe(False)
+
+
 def test_a_holder_whose_process_is_gone_is_marked_crashed_and_its_slot_freed(prefect_harness):
     """What a `tessera run` killed with -9 leaves: its flow run Running for ever, the slot counted, no lease. The next
     run of the name sees the holder's process is gone, marks it Crashed, frees the slot with a log line, and runs."""
