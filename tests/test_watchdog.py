@@ -618,8 +618,12 @@ def test_the_launchers_watchdog_kills_a_frozen_rank_after_its_log_has_gone(tmp_p
         "TESSERA_HEARTBEAT_DIR": str(beats),
     }
     argv = [sys.executable, "-m", "infra.launcher", "--nproc-per-node", "2", "--log-dir", str(tmp_path)]
+    # Warm, as every launch of a stage is: the ranks fork once the heartbeat module is in, so the 8 s startup budget
+    # times the ranks' own start. Fresh interpreters import torch first, and on a loaded machine (CI at 2d8ddb8)
+    # spent the budget before either wrote its heartbeat: the launch was killed for that, not for the frozen rank.
+    warm = ["--warm", "trainers.heartbeat"]
     launcher = subprocess.Popen(
-        [*argv, "-m", "tests.launch_probe", "freeze", "600"],
+        [*argv, *warm, "-m", "tests.launch_probe", "freeze", "600"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
