@@ -12,6 +12,10 @@ import contextlib
 # click) would both create it, and the server, while answering the second 409, logs an IntegrityError
 # that `tessera up` would rightly print as a server error. `tessera up` and `tessera deploy` create it.
 NAMES_LOCK = "tessera-run-names"
+# Held for one create, but a waiter retries when the server's 423 says (Retry-After, up to 30 s plus jitter, longer
+# as denials pile up): with 60 s, a double click on a loaded machine failed its second run TimedOut on this lock
+# instead of refusing it. A wait this long only ever means a server that barely answers.
+NAMES_LOCK_WAIT_S = 300
 
 
 def ensure_names_lock() -> None:
@@ -47,7 +51,7 @@ def ensure_limit(name: str) -> None:
             return
         try:
             client.read_global_concurrency_limit_by_name(NAMES_LOCK)
-            serialized = concurrency(NAMES_LOCK, occupy=1, timeout_seconds=60, strict=True)
+            serialized = concurrency(NAMES_LOCK, occupy=1, timeout_seconds=NAMES_LOCK_WAIT_S, strict=True)
         except ObjectNotFound:  # a server `tessera up`/`tessera deploy` never set up (the CLI's own): no race
             serialized = contextlib.nullcontext()
         with serialized:
