@@ -202,16 +202,22 @@ def answers(url: str) -> bool:
 
 
 def prefect_api(method: str, url: str, **kw):
-    """One request to a Prefect server, retried on 503 as Prefect's own client does.
+    """One request to a Prefect server, retried on 503 and on a read timeout as Prefect's own client does.
 
     The server answers 503 when its sqlite database is briefly locked (it maps retryable database
-    errors to 503, and its client retries them up to PREFECT_CLIENT_MAX_RETRIES times); a test that
-    speaks raw HTTP must do the same or it fails on a busy machine where the product would not.
+    errors to 503, and its client retries them up to PREFECT_CLIENT_MAX_RETRIES times), and its client
+    retries a read that timed out (prefect/client/base.py); a test that speaks raw HTTP must do the same
+    or it fails on a busy machine where the product would not (a GET timed out at 30 s with -n 2).
     """
     import httpx
 
     for attempt in range(6):
-        response = httpx.request(method, url, timeout=30, **kw)
+        try:
+            response = httpx.request(method, url, timeout=30, **kw)
+        except httpx.ReadTimeout:
+            if attempt == 5:
+                raise
+            continue
         if response.status_code != 503:
             break
         time.sleep(0.5 * 2**attempt)
