@@ -109,11 +109,10 @@ class GauntletQueue:
             )
         self.backlog: Backlog[tuple[CheckpointInfo, CheckpointInfo]] = Backlog()  # (checkpoint, pinned)
         self.seen: set[int] = set()
-        # evaluations not yet handed to a registration, in the checkpoints' order: (evaluation, pinned)
-        self.scoring: list[tuple[PrefectFuture, CheckpointInfo]] = []
+        # evaluations not yet handed to a registration, in the checkpoints' order: (evaluation, checkpoint, pinned)
+        self.scoring: list[tuple[PrefectFuture, CheckpointInfo, CheckpointInfo]] = []
         self.pending: list[tuple[PrefectFuture, PrefectFuture | None]] = []  # (evaluation, its registration or None)
         self.held: list[tuple[PrefectFuture, CheckpointInfo]] = []  # (registration, pinned): unpinned once done
-        self.origin: dict[int, CheckpointInfo] = {}  # an evaluation's checkpoint (the pin's path is another)
         self.done: list[Registration] = []
         self.already = existing_registrations(target.tracking, self.run_id)
 
@@ -157,7 +156,7 @@ class GauntletQueue:
         process, compute.kubernetes.eval_concurrency in pods."""
         pods = self.target.compute.kubernetes
         at_once = pods.eval_concurrency if self._in_pods and pods is not None else 1
-        scoring = [summary for summary, _ in self.scoring]
+        scoring = [summary for summary, _, _ in self.scoring]
         return len(scoring) - len(_ended(scoring)) >= at_once
 
     def _submit_if_idle(self) -> None:
@@ -185,17 +184,15 @@ class GauntletQueue:
             self.run_name,
             self.target.compute,
         )
-        self.scoring.append((summary, pinned))
-        self.origin[id(summary)] = ckpt
+        self.scoring.append((summary, ckpt, pinned))
 
     def _register_scored(self) -> None:
         """The oldest evaluation's registration, once that evaluation has ended and no registration runs."""
         while self.scoring and len(_ended([r for r, _ in self.held])) == len(self.held):
-            summary, pinned = self.scoring[0]
+            summary, ckpt, pinned = self.scoring[0]
             if not _ended([summary]):
                 return
             self.scoring.pop(0)
-            ckpt = self.origin.pop(id(summary))
             if not summary.state.is_completed():  # results() raises it; the checkpoint is not a version
                 self.store.unpin(pinned)
                 self.pending.append((summary, None))
@@ -239,7 +236,7 @@ class GauntletQueue:
             self._submit_if_idle()
             self._unpin_finished()
             self._register_scored()
-            outstanding = [f for f, _ in self.scoring] + [r for r, _ in self.held]
+            outstanding = [f for f, _, _ in self.scoring] + [r for r, _ in self.held]
             if outstanding:
                 wait(outstanding, timeout=POLL_S)
         for summary, registration in self.pending:
