@@ -218,7 +218,10 @@ class Watchdog:
         return hang
 
     def pids(self) -> list[int]:
-        return [int(b["pid"]) for b in self.beats().values() if b.get("pid")]
+        """The ranks' pids in rank order, whichever rank's heartbeat was read first (CI at 16d789d: rank 1's file,
+        read before rank 0 had written one, came first, and a test took rank 0 for the frozen rank)."""
+        beats = self.beats()
+        return [int(beats[rank]["pid"]) for rank in sorted(beats) if beats[rank].get("pid")]
 
     def stacks(self) -> str:
         """Every rank's Python stacks where the hang left them, as text for the stage log; stopped ranks are woken

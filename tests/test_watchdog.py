@@ -86,6 +86,13 @@ def test_the_stopped_rank_is_blamed_and_a_silent_start_is_seen(tmp_path):
     assert Watchdog(tmp_path, Budgets(), [0, 1, 2], started=now - 10).check(now + 1).rank == 0
     late = Watchdog(tmp_path, Budgets(startup_s=5, step_floor_s=500), [2], started=now - 10).check(now)
     assert (late.rank, late.phase, late.why) == (2, "startup", "the startup budget, no heartbeat")
+    # pids in rank order even when rank 1's heartbeat was read before rank 0 had written one
+    (tmp_path / "rank0.json").unlink()
+    dog = Watchdog(tmp_path, Budgets(), [0, 1])
+    _beat(tmp_path, 1, beat=now, pid=1111)
+    assert dog.pids() == [1111]
+    _beat(tmp_path, 0, beat=now, pid=2222)
+    assert dog.pids() == [2222, 1111]
 
 
 def test_a_stopped_rank_is_blamed_as_soon_as_its_waiting_peer_passes_the_budget(tmp_path):
