@@ -1,5 +1,8 @@
 """The front door: the `tessera` command, `tessera up` (the local stack) and deploy. Nothing here is a flow.
 
+entry.py         the `tessera` script: supervision first, then the command
+stopping.py      how a command ends when told to stop, at any moment: one line, 128+N, nothing left running
+guardian.py      the guard that ends whatever a command started once the command is gone, SIGKILL included
 main.py          the `tessera` command: its parser, `run`, `prepare`, `status`, and one-line errors with exit codes
 models.py        `tessera eval`, `compare`, `promote` and `continue`: the commands about models rather than runs
 k8s.py           `tessera k8s render` and `status`: the Kubernetes backend's objects, without running a flow

@@ -11,9 +11,11 @@ import sys
 
 from cli.k8s import cmd_k8s_render, cmd_k8s_status
 from cli.models import cmd_compare, cmd_continue, cmd_eval, cmd_promote
+from cli.stopping import Stopped, say_last, stop_line
 from tasks.runs.runtime import (
     install_log_filter,
     quiet_environment,
+    temporary_server_apart,
     usable_data_root,
     work_prefect_home,
 )
@@ -34,7 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import PipelineParams, pretrain_pipeline
 
     install_log_filter()
-
+    temporary_server_apart()
     result = pretrain_pipeline(PipelineParams(recipe=args.recipe, run_name=args.run_name, if_running=args.if_running))
     last = result.registrations[-1] if result.registrations else None
     print(
@@ -57,6 +59,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     install_log_filter()
     warm_up(recipe.data)  # overlaps Prefect's server start-up
+    temporary_server_apart()
     with interrupt.stop_on_signals():  # Ctrl-C/SIGTERM: stop within seconds, exit 130/143
         print(prepare_data(PrepareParams(recipe=args.recipe)).summary())
     return 0
@@ -314,12 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Stopped as stop:  # a stop signal, from the `tessera` script's supervision (cli/stopping.py)
+        say_last(f"tessera: {stop_line(stop.signum)}")
+        return 0 if args.command == "up" else stop.exit_code  # `tessera up` exits 0 after any stop
     except _flow_run_ended() as exc:  # refused (the run name is live elsewhere) or stopped: tasks/runs/flow_outcome.py
-        from tasks.runs.flow_outcome import ended_message
+        from tasks.runs.flow_outcome import ended_message, stop_signal
 
         ended = ended_message(exc)
         if ended is None:
             raise
+        signum = stop_signal(exc)
+        if signum is not None:  # Prefect's engine took the SIGTERM and the flow ended Cancelled, saying so
+            say_last(f"tessera: {stop_line(signum, ended[0])}")
+            return 128 + signum
         print(f"tessera: error: {ended[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT if ended[1] else EXIT_FAILED
     except OneLineError as exc:  # bad input (exit 2), or a failure a rerun may get past (exit 1): the class says
@@ -337,5 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # supervised, as the `tessera` script (cli/entry.py) runs it, once this module is in
+    from cli.stopping import supervise
+
+    supervise()
     sys.exit(main())

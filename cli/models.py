@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.runs.runtime import install_log_filter, work_prefect_home
+from tasks.runs.runtime import install_log_filter, temporary_server_apart, work_prefect_home
 
 if TYPE_CHECKING:  # the flows import Prefect: `tessera --help` does not wait for it
     from flows.evaluate import EvalOutcome
@@ -121,6 +121,7 @@ def cmd_continue(args: argparse.Namespace) -> int:
     from flows.continued import ContinueParams, continued_pretraining
 
     install_log_filter()
+    temporary_server_apart()
     result = continued_pretraining(
         ContinueParams(
             recipe=args.recipe,
@@ -155,4 +156,5 @@ def eval_command(model: str, tasks: str, gauntlet: str | None = None, data_root:
     install_log_filter()  # after Prefect's import: the filter goes on the handlers its logging set-up made
     if unknown := sorted(set(more) - set(EvalParams.model_fields)):  # the form ignores extra keys; a caller may not
         raise TypeError(f"eval_command() got unexpected keyword arguments {unknown}")
+    temporary_server_apart()
     return eval_flow(EvalParams(model=model, tasks=tasks, gauntlet=gauntlet, data_root=data_root, **more))

@@ -105,15 +105,20 @@ def run_or_end(run_name: str, body: Callable[[], T], stays: Callable[[], str] | 
 
 def _stopping(exc: BaseException) -> bool:
     """Whether `exc` was raised while a stop (Prefect's TerminationSignal) was unwinding the flow."""
+    return stop_signal(exc) is not None
+
+
+def stop_signal(exc: BaseException) -> int | None:
+    """The signal of the stop (Prefect's TerminationSignal) that `exc` was raised while unwinding, if any."""
     from prefect.exceptions import TerminationSignal
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, TerminationSignal):
-            return True
+            return int(exc.signal)
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
 
 
 def _end_stopped(run_name: str, stays: Callable[[], str] | None) -> NoReturn:

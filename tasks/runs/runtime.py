@@ -113,6 +113,50 @@ def work_prefect_home(work_dir: str) -> None:
             os.environ.setdefault("PREFECT_PROFILES_PATH", str(profiles))
 
 
+class _InOwnSession:
+    """The `subprocess` module as Prefect's server module sees it while `temporary_server_apart` starts the server:
+    the same, except that Popen starts a session of its own."""
+
+    def __getattr__(self, name: str):
+        import subprocess
+
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args, **kwargs):  # subprocess's own name
+        import subprocess
+
+        return subprocess.Popen(*args, **{**kwargs, "start_new_session": True})
+
+
+def temporary_server_apart() -> None:
+    """Start Prefect's temporary server now, in a session of its own, when no server is configured.
+
+    Prefect starts it at a flow's first API call as a plain child, in the terminal's process group, so a Ctrl-C in
+    the terminal reached it too: during its start-up it printed its own KeyboardInterrupt traceback, and later it
+    died while the flow still had to record how it ended (the engine retried the dead server, with tracebacks, until
+    the command gave up). Apart, only tessera hears the terminal, and the server is stopped at exit as Prefect stops
+    it (its atexit hook; then cli/stopping.py's sweep). Prefect's later calls reuse this instance: it is the class's
+    one instance for the default port. Prefect offers no setting for the child's session, hence the substitution of
+    its module's `subprocess` for the length of the start."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    import subprocess
+
+    from prefect.server.api import server as api
+
+    instance = api.SubprocessASGIServer()
+    if instance.running:
+        return
+    api.subprocess = _InOwnSession()
+    try:
+        instance.start()
+    finally:
+        api.subprocess = subprocess
+
+
 def usable_data_root(recipe) -> None:
     """A data root that is a file or read-only fails here in one line, not after Prefect has started."""
     from tasks.data.outputs import ensure_root
