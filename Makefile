@@ -13,7 +13,7 @@ unexport PYTHONDONTWRITEBYTECODE
 install: $(STAMP)
 
 # constraints.txt is the resolved lock: same versions on every machine, `pip check` clean. uv (pinned there too,
-# bootstrapped into the venv by pip) installs them: with its cache warm, a fresh clone installs in under half a
+# bootstrapped into the venv by pip) installs them: with its cache warm, a fresh clone installs in about a
 # minute (pip took 3 to 8). uv hardlinks from its cache (6 s for the 6.6 GB venv; copying took 46 s) and falls back
 # to a copy by itself where the cache sits on another filesystem.
 # No --compile-bytecode: compiling all 45,600 modules took 68 s, 40% of them the Oracle cloud SDK that streaming
@@ -21,11 +21,19 @@ install: $(STAMP)
 # machine): each module's bytecode is written the first time any process imports it, so the suite and the demo
 # compile only what they run, once. Where every process was kept from writing it, each trainer, rank and
 # forkserver compiled torch, transformers and Composer from source again: the suite ran 68 min instead of 39.
+# Then one process imports what the commands, the trainer, the servers and the tests' servers import, writing
+# their bytecode (40 s cold on two cores): without it the suite's first minutes had every worker compile the same
+# modules at once, and a refusal timed at under 10 s took 17 (CI-like run on 43df97a). What they import later
+# (a model class, a migration) is written the first time it is.
+export WARM_IMPORTS := import cli.main, cli.up, flows.pipeline, flows.continued, flows.evaluate, flows.prepare, \
+	trainers.train, infra.launcher, infra.warm, evaluation, composer, streaming, prefect.server.api.server, \
+	prefect.workers.process, mlflow.server, moto.server
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -c constraints.txt -e ".[test,k8s]"
 	$(BIN)/pip check
+	$(BIN)/python -c "$$WARM_IMPORTS"
 	touch $(STAMP)
 
 demo: install

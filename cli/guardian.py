@@ -8,7 +8,7 @@ environment it was started with, which no re-parenting or new session takes away
 - the command itself, at its last atexit hook or once a stop has waited long enough (cli/stopping.py): so that when
   the command has exited, its children are gone;
 - this guard, a second process the command starts first, in a session of its own (a Ctrl-C in the terminal or a
-  kill of the command's process group does not reach it). It asks Linux for SIGTERM when its parent dies
+  kill of the command's process group does not reach it). It asks Linux for a signal when its parent dies
   (PR_SET_PDEATHSIG), however the parent died, SIGKILL included, then sweeps and exits. A process tree walk from
   the command could not do that: once the command is gone its children belong to PID 1.
 
@@ -86,16 +86,22 @@ def _reap() -> None:
 
 
 def guard(mark: str, parent: int) -> None:
-    """Wait for `parent` to die, then end what carries its mark."""
+    """Wait for `parent` to die, then end what carries its mark.
+
+    The parent's death arrives as SIGUSR1, not SIGTERM: a command that stops its own tree signals this guard too
+    (`tessera up` terminates all its children, then its servers), and a guard that swept on that SIGTERM ended the
+    servers before the flow runs had recorded how they ended (CI's test_deploy, Cancelling left as the last
+    state). A SIGTERM while the parent lives means the command is tidying up itself: the guard just goes."""
     died = []
-    signal.signal(signal.SIGTERM, lambda *_: died.append(True))
+    signal.signal(signal.SIGUSR1, lambda *_: died.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if sys.platform == "linux":
         import ctypes
 
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1, 0, 0, 0)
     # the parent may have died before prctl took effect; elsewhere than Linux, polling is all there is
     while not died and os.getppid() == parent:
         time.sleep(1.0 if sys.platform == "linux" else 0.2)

@@ -231,7 +231,21 @@ def test_a_command_stopped_while_its_prefect_server_starts_leaves_nothing(
         assert started.last_line().startswith(f"tessera: stopped by {name}"), started.text()
 
 
-def test_a_run_stopped_while_it_trains_ends_cancelled_leaves_nothing_and_the_rerun_finishes(tmp_path, commands):
+def _versions(store: Path) -> int:
+    """Model versions in the run's MLflow store (sqlite), 0 before it exists."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
+            return db.execute("SELECT count(*) FROM model_versions").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_a_run_stopped_while_it_trains_or_registers_ends_cancelled_and_the_rerun_finishes(tmp_path, commands):
+    """SIGTERM while the first stage trains; Ctrl-C (SIGINT) once the first checkpoint is registered, while the
+    next is scored or registered and the stage trains on. Each: the flow run Cancelled saying what the run keeps,
+    nothing left. The third run finishes with each checkpoint registered once."""
     recipe = str(tiny_recipe(tmp_path))
     first = Command(tmp_path, tessera("run", recipe))
     commands.append(first)
@@ -241,10 +255,24 @@ def test_a_run_stopped_while_it_trains_ends_cancelled_leaves_nothing_and_the_rer
     assert first.last_line().startswith("tessera: stopped by SIGTERM: cancelled: every rank of run 'tiny' was stopped")
     assert "Traceback" not in first.text()
 
+    second = Command(tmp_path, tessera("run", recipe))
+    commands.append(second)
+    deadline = time.monotonic() + 600
+    while _versions(tmp_path / "mlflow.db") < 1:
+        assert second.process.poll() is None and time.monotonic() < deadline, second.text()
+        time.sleep(0.1)
+    assert second.stop(signal.SIGINT) == 130, second.text()
+    second.assert_nothing_left()
+    assert second.last_line().startswith(
+        "tessera: stopped by Ctrl-C (SIGINT): cancelled: every rank of run 'tiny' was stopped; its checkpoint at "
+    ), second.text()
+    assert "Traceback" not in second.text()
+
     again = Command(tmp_path, tessera("run", recipe))
     commands.append(again)
     assert again.process.wait(timeout=600) == 0, again.text()
     assert any(line.startswith("run tiny: 3 model versions") for line in again.text().splitlines()), again.text()
+    assert _versions(tmp_path / "mlflow.db") == 3
     again.assert_nothing_left()
 
 
