@@ -72,8 +72,18 @@ class _Supervision:
     def at_exit(self) -> None:
         self.exiting = True
         self.sweep()
+        self.end_guard()
         if self.last_line:
             print(self.last_line, file=sys.stderr, flush=True)
+
+    def end_guard(self) -> None:
+        # the sweep is done: the guard has nothing left to watch, and reaped here it leaves no zombie for PID 1
+        if self.guard is not None:
+            self.guard.terminate()  # a SIGTERM while its parent lives ends it without a sweep (cli/guardian.py)
+            try:
+                self.guard.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
 
     def sweep(self, grace_s: float = guardian.GRACE_S) -> None:
         exclude = [self.guard.pid] if self.guard else []
@@ -101,6 +111,7 @@ class _Supervision:
             while True:  # another thread is already ending the process
                 time.sleep(1)
         self.sweep(grace_s)
+        self.end_guard()
         print(f"\ntessera: {stop_line(signum)}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
