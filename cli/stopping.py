@@ -1,12 +1,13 @@
 """How a `tessera` command ends when it is told to stop, at any moment from its first line to its last.
 
-`supervise()` is the first thing the `tessera` script does (cli/main.entry), before any heavy import:
+`supervise()` is the first thing the `tessera` script does (cli/entry.py), before any heavy import:
 
 - it marks the command and starts its guard (cli/guardian.py), which ends whatever carries the mark once the
   command is gone, however it went, SIGKILL included;
-- SIGINT, SIGTERM and SIGHUP raise `Stopped` in the main thread, wherever it is: importing, waiting for Prefect's
-  temporary server, inside a flow. A signal the command was started with ignored (`nohup`, a background job of a
-  script) stays ignored. While a flow runs, Prefect's engine swaps in its own SIGTERM handler: the flow ends
+- SIGINT, SIGTERM and SIGHUP raise in the main thread (`Stopped`; inside a flow run, Prefect's TerminationSignal),
+  wherever it is: importing, waiting for Prefect's temporary server, inside a flow. A signal the command was
+  started with ignored (`nohup`, a background job of a script) stays ignored.
+  While a flow runs, Prefect's engine swaps in its own SIGTERM handler: the flow ends
   Cancelled with its explanation (tasks/runs/flow_outcome.py), and Prefect hands the signal back here after;
 - a stop is given STOP_GRACE_S for the main thread to unwind (a flow to record how it ended, Prefect to stop its
   server); a main thread stuck longer (retrying a server the same Ctrl-C killed) is cut short, and a second signal
