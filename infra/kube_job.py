@@ -80,8 +80,10 @@ class KubernetesJob:
         self._logger = threading.Thread(target=self._relay.run, name=f"k8s-log-{self.name}", daemon=True)
 
     def start(self) -> KubernetesJob:
-        self._watcher.start()
+        # The relay first: a group that has already ended when the watcher first looks ends the launch at once, and
+        # `end` waits for pod 0's output only from a relay that has started (CI lost pod 0's line to that order).
         self._logger.start()
+        self._watcher.start()
         return self
 
     # -- the job interface ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ replaced by a new one, an evicted pod replaced, the Job's own end) and the kubel
 from __future__ import annotations
 
 import threading
+import time
 
 import kubernetes_validate
 import pytest
@@ -209,6 +210,33 @@ def test_pod0_output_is_in_the_log_when_its_stream_opens_slower_than_the_job_end
 
     sim = Cluster(scenario, c)
     sim.start()
+    job = _prepare(tmp_path)
+    assert job.wait(timeout=60) == 0
+    sim.join()
+    assert "tessera.prepare: partition 0: 120 documents" in job.new_output()
+    assert _end(job, api) == f"tessera.k8s: Job {NAME} completed"
+
+
+def test_pod0_output_is_in_the_log_when_the_job_ends_before_the_relay_has_started(api, tmp_path, monkeypatch):
+    """CI lost index 0's line again: the launch started its watcher before its log relay, and on a loaded machine the
+    watcher saw the Job complete and closed the log before the relay thread existed to be waited for. Here the
+    relay's start is held back a second, as a descheduled launching thread would be."""
+    real_start = threading.Thread.start
+
+    def late_relay(thread):
+        if thread.name.startswith("k8s-log-"):
+            time.sleep(1.0)
+        real_start(thread)
+
+    def scenario(c):
+        job = c.wait_for("Job", NAME)
+        pods = c.start_pods(job)
+        c.log(pods[0], "tessera.prepare: partition 0: 120 documents\n")
+        _complete(c, pods)
+
+    sim = Cluster(scenario, api.cluster)
+    sim.start()
+    monkeypatch.setattr(threading.Thread, "start", late_relay)
     job = _prepare(tmp_path)
     assert job.wait(timeout=60) == 0
     sim.join()

@@ -264,3 +264,41 @@ def test_two_two_rank_launches_at_once_on_one_host_both_train(tmp_path):
         errors = "".join(p.read_text()[-1500:] for p in (tmp_path / run / "logs").glob("*.err"))
         assert proc.returncode == 0, (run, proc.stderr[-2000:], errors)
         assert "does not match local leader" not in proc.stderr + errors
+
+
+def test_a_prefix_holding_a_stale_resume_position_is_not_taken(tmp_path, monkeypatch):
+    """Streaming's scan stops at the first prefix without each name, so a prefix with no `locals` but a killed
+    dataset's `resume` left under it passed for free. CI: a validation split made there read the stale position
+    (sample 128 of a 75-sample split) as its own and the stage died at its end. The prefix is skipped now, and the
+    split reads from its first sample."""
+    import json
+    from multiprocessing import resource_tracker
+    from multiprocessing.shared_memory import SharedMemory
+
+    import streaming.base.dataset as streaming_dataset
+    from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared import prefix
+
+    import trainers.shm as ours
+    from tests.support.training import write_mds
+    from trainers.data import TokenSamples
+
+    monkeypatch.setattr(streaming_dataset, "get_shm_prefix", ours.get_shm_prefix)  # as leader_decides_prefixes does
+    data = write_mds(tmp_path / "mds", n_samples=8, seq_len=16, vocab_size=64, seed=0)
+    # The train split first, as the trainer makes it: its prefix has `locals` but no `resume` yet (Composer loads the
+    # position after every dataset is made), so for that name Streaming's scan stops there, below the stale one.
+    train = TokenSamples(seq_len=16, local=str(tmp_path / "train"), remote=str(data), batch_size=2, shuffle=False)
+    with ours._host_lock():  # no tessera dataset on this host takes it before this test's does
+        scanned = max(prefix._check_and_find_retrying([str(data)], [None], name, 100) for name in SHM_TO_CLEAN)
+        assert not (ours.SHM_DIR / f"{scanned:06}_{LOCALS}").exists()
+        stale = SharedMemory(f"{scanned:06}_resume", create=True, size=4096)
+    resource_tracker.unregister(stale._name, "shared_memory")  # what a killed process leaves: nobody will unlink it
+    text = json.dumps({"epoch": 0, "sample_in_epoch": 128, "num_canonical_nodes": 1, "shuffle_seed": 9176}) + "\0"
+    stale.buf[: len(text)] = text.encode()
+    try:
+        dataset = TokenSamples(seq_len=16, local=str(data), batch_size=2, shuffle=False)
+        assert dataset._shm_prefix_int not in (scanned, train._shm_prefix_int)
+        assert sorted(int(s["sample_idx"]) for s in dataset) == list(range(8))  # from its start, not "resumed"
+    finally:
+        stale.close()
+        stale.unlink()

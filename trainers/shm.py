@@ -20,7 +20,9 @@ it found and the others open the prefix *they* found: when another job registers
 two ranks' scans, they disagree, and the dataset dies "shared memory registered does not match local
 leader" (a retryable launch lost). `leader_decides_prefixes` makes the choice one rank's: the node's first
 rank scans and registers under a host-wide file lock (no other job's first rank registers meanwhile), and
-the other ranks take its prefix through the launch's process group instead of scanning.
+the other ranks take its prefix through the launch's process group instead of scanning. The prefix it takes has
+nothing under it at all: Streaming's scan would also accept one that still holds a stale segment of some other name
+(a killed dataset's resume position), which the new dataset would then read as its own.
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ def clean_stale_streaming_shm() -> list[str]:
     return stale
 
 
+def _taken_prefixes() -> set[int]:
+    """Every prefix with a Streaming segment under /dev/shm or a file lock in the temporary folder, live or stale."""
+    names = [p.name for p in SHM_DIR.iterdir()] if SHM_DIR.is_dir() else []
+    names += [p.name for p in Path(tempfile.gettempdir()).glob("[0-9][0-9][0-9][0-9][0-9][0-9]_*filelock*")]
+    return {int(name[:6]) for name in names if _STREAMING_NAME.match(name)}
+
+
 PREFIX_LOCK = Path(tempfile.gettempdir()) / "tessera-streaming-prefixes.lock"
 REGISTER_TRIES = 5
 
@@ -112,10 +121,19 @@ def _register(streams_local: list[str], streams_remote: list, retry: int):
 
     with _host_lock():
         for attempt in range(REGISTER_TRIES):
+            # Streaming's scan (it also refuses a remote stream's cache folder another dataset registered)...
             prefix_int = max(
                 streaming_prefix._check_and_find_retrying(streams_local, streams_remote, shm_name=name, retry=retry)
                 for name in SHM_TO_CLEAN
             )
+            # ...stops, for each name, at the first prefix without it, so the prefix it returns can still hold some
+            # other segment: a killed dataset's `resume` (a dataset that attaches to one never unlinks it) or the
+            # half its resource tracker had not unlinked yet. A new dataset there would read the stale resume
+            # position as its own (CI: a validation split "resumed" at the train split's sample 128, and the stage
+            # died at its end), or share epoch counters with a stranger. Only a prefix with nothing under it is free.
+            taken = _taken_prefixes()
+            while prefix_int in taken:
+                prefix_int += 1
             data = streaming_prefix._pack_locals(streams_local, prefix_int)
             try:
                 shm = streaming_prefix.SharedMemory(streaming_prefix._get_path(prefix_int, LOCALS), True, len(data))
