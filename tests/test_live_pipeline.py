@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import prefect_api
+from tests.conftest import ROOT, prefect_api
 from tests.support.training import rank_pids
 
 pytestmark = pytest.mark.slow
@@ -399,6 +399,77 @@ def test_bad_form_values_are_refused_before_anything_runs(live_stack):
     assert "configs/no-such-recipe.yaml: recipe file not found" in run["state"]["message"]
     said = logs(stack, run_id)
     assert "Traceback" not in said and "Engine execution exited with unexpected exception" not in said
+
+
+def _continued_run_name(stack, run_id: str, timeout: float = 300) -> str:
+    """The derived name a continued run tags its flow run with (`run:<name>`) once it has chosen its base."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = flow_run(stack, run_id)
+        tagged = [t.removeprefix("run:") for t in run["tags"] if t.startswith("run:")]
+        if tagged:
+            return tagged[0]
+        assert run["state"]["type"] not in TERMINAL, f"{run['state']}\n{logs(stack, run_id)}"
+        assert time.monotonic() < deadline, f"no run: tag after {timeout:.0f} s\n{logs(stack, run_id)}"
+        time.sleep(0.5)
+
+
+def test_a_continued_run_cancelled_or_killed_from_the_ui_says_so_and_closes_its_mlflow_run(live_stack, interrupted):
+    """Issue 42: the `continue` flow's end hooks, run by the real worker's runner. A cancel from the UI mid-training
+    ends Cancelled with tessera's explanation as the last word, logs no error (the hook once raised TypeError:
+    Prefect passes `flow_run` by keyword) and marks the MLflow run KILLED; a kill -9 of the flow process ends it
+    Crashed and the MLflow run FAILED."""
+    stack = live_stack
+    inbox = stack.work_dir / "incoming-hooks"
+    inbox.mkdir(exist_ok=True)
+    stories = (ROOT / "data" / "corpora" / "tinystories" / "tinystories_val.txt").read_text().split("\n\n")
+    (inbox / "arrived.txt").write_text("\n\n".join(stories[:200]))
+    deployment = _api(stack, "GET", "/deployments/name/continued_pretraining/continue")
+    params = {"recipe": str(stack.recipe), "new_data": str(inbox), "base": "models:/tessera-tiny/1", "tokens": 131072}
+    seen = {}
+    for how in ("cancel", "kill"):
+        run_id = _api(
+            stack, "POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"params": params}}
+        )["id"]
+        name = _continued_run_name(stack, run_id)
+        deadline = time.monotonic() + 600
+        while not trainer_pids(stack, name):
+            assert flow_run(stack, run_id)["state"]["type"] not in TERMINAL, logs(stack, run_id)
+            assert time.monotonic() < deadline, f"continued run {name}: no trainer after 600 s"
+            time.sleep(0.5)
+        if how == "cancel":
+            _api(stack, "POST", f"/flow_runs/{run_id}/set_state", json={"state": {"type": "CANCELLING"}})
+            ended = wait_state(stack, run_id, {"CANCELLED"}, timeout=180)
+            # The runner runs the hooks once the flow's process is gone, then writes its generic Cancelled; the
+            # flow's explanation is put back over it (as for pretrain, in `interrupted`): wait for both.
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                states = sorted(
+                    _api(stack, "GET", f"/flow_run_states/?flow_run_id={run_id}"), key=lambda s: s["timestamp"]
+                )
+                said = [s["message"] for s in states]
+                if GENERIC_CANCEL in said and said[-1] != GENERIC_CANCEL:
+                    break
+                time.sleep(1)
+        else:
+            os.kill(stack.flow_run_pid(run_id, timeout=30), signal.SIGKILL)
+            ended = wait_state(stack, run_id, {"CRASHED", "FAILED"}, timeout=180)
+        deadline = time.monotonic() + 60  # the runner's hooks run once the flow's process is gone
+        while mlflow_run(stack, name).info.status == "RUNNING" and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(3)  # the hooks' log lines reach the server
+        levels = _api(stack, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+        seen[how] = (ended, flow_run(stack, run_id)["state"], mlflow_run(stack, name), levels, name)
+
+    ended, last, run, levels, name = seen["cancel"]
+    assert ended["state"]["type"] == "CANCELLED" and last["type"] == "CANCELLED"
+    assert last["message"] != GENERIC_CANCEL and name in last["message"], last
+    assert [r["message"][:200] for r in levels if r["level"] >= 40] == []  # no hook error, no red line
+    assert run.info.status == "KILLED" and "cancel" in run.data.tags["tessera.end"].lower(), run.data.tags
+    ended, last, run, levels, name = seen["kill"]
+    assert last["type"] in ("CRASHED", "FAILED"), last
+    assert not [r["message"] for r in levels if "_record_end" in r["message"]]
+    assert run.info.status == "FAILED" and "Crashed" in run.data.tags["tessera.end"], run.data.tags
 
 
 def test_no_service_logged_an_error_during_the_whole_session(live_stack):
