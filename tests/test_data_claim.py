@@ -49,11 +49,17 @@ def _check_output(data, out, docs):
     assert glob.glob(os.path.join(data.root, ".s-*")) == []  # no staging, no lease left behind
 
 
+LEASE_S = 20
+
+
 @pytest.mark.slow  # two child interpreters
 def test_two_prepares_of_one_output_and_a_live_run_on_another_host(tmp_path):
     data, cfg, docs, out = _setup(tmp_path, copies=3)
     foreign = _foreign_run(out, heartbeat_age_s=0)  # alive: its heartbeat is fresh
-    env = {"TESSERA_LEASE_SECONDS": "6"}
+    # Short, for the takeover of the foreign lease to come soon, but not 6 s: the holder's heartbeat (every quarter of
+    # it) once missed 6 s in CI on 2 loaded cores, the other prepare took over its live lease, and the holder rightly
+    # refused to publish (LeaseLost). A stall of 20 s is a frozen process, which a takeover is for.
+    env = {"TESSERA_LEASE_SECONDS": str(LEASE_S)}
     a, b = spawn_prepare(cfg, **env), spawn_prepare(cfg, **env)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3:  # the other host's run is live: nobody touches its work
@@ -61,7 +67,7 @@ def test_two_prepares_of_one_output_and_a_live_run_on_another_host(tmp_path):
         assert os.listdir(out) == [os.path.basename(foreign)]  # not even a plan file: nobody else holds the lease
         assert a.poll() is None and b.poll() is None
         time.sleep(0.1)
-    # Its heartbeat stops (the test never refreshes it): after the lease's 6 s one of the two takes
+    # Its heartbeat stops (the test never refreshes it): after the lease's LEASE_S one of the two takes
     # over, clears the dead staging and prepares; the other waits for it and reuses its output.
     said = []
     for p in (a, b):
@@ -69,7 +75,7 @@ def test_two_prepares_of_one_output_and_a_live_run_on_another_host(tmp_path):
         assert p.returncode == 0, stderr[-3000:]
         said.append(stdout.split()[-1])
     assert sorted(said) == ["cached", "written"]
-    assert time.monotonic() - t0 >= 6
+    assert time.monotonic() - t0 >= LEASE_S
     assert not os.path.exists(foreign)
     _check_output(data, out, docs)
 
