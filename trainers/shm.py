@@ -129,7 +129,7 @@ def _register(streams_local: list[str], streams_remote: list, retry: int):
             # ...stops, for each name, at the first prefix without it, so the prefix it returns can still hold some
             # other segment: a killed dataset's `resume` (a dataset that attaches to one never unlinks it) or the
             # half its resource tracker had not unlinked yet. A new dataset there would read the stale resume
-            # position as its own (CI: a validation split "resumed" at the train split's sample 128, and the stage
+            # position as its own (CI: a 75-sample validation split "resumed" at sample 128, and the stage
             # died at its end), or share epoch counters with a stranger. Only a prefix with nothing under it is free.
             taken = _taken_prefixes()
             while prefix_int in taken:
