@@ -81,6 +81,19 @@ def wait_state(stack, run_id: str, wanted: set[str], timeout: float = 900) -> di
         time.sleep(2)
 
 
+def cancel_history(stack, run_id: str, timeout: float = 120) -> list[tuple[str, str]]:
+    """The (type, message) states of a cancelled run once Prefect's runner has run the end hooks and written its own
+    generic Cancelled, and the flow's explanation has been put back over it (or `timeout` has passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = sorted(_api(stack, "GET", f"/flow_run_states/?flow_run_id={run_id}"), key=lambda s: s["timestamp"])
+        history = [(s["type"], s["message"]) for s in states]
+        said = [m for _, m in history]
+        if (GENERIC_CANCEL in said and said[-1] != GENERIC_CANCEL) or time.monotonic() > deadline:
+            return history
+        time.sleep(1)
+
+
 def run_dir(stack, name: str) -> Path:
     return stack.work_dir / "runs" / name
 
@@ -150,20 +163,8 @@ def interrupted(live_stack):
         r["message"][:120]: r["level"]
         for r in _api(stack, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [first]}}, "limit": 200})
     }
-    # Prefect's runner writes a Cancelled of its own once the flow's process is gone, over the flow's; the flow's
-    # explanation must be the last word a minute on, as a person opening the run later reads it
-    deadline = time.monotonic() + 120
-    while True:
-        history = [
-            (s["type"], s["message"])
-            for s in sorted(_api(stack, "GET", f"/flow_run_states/?flow_run_id={first}"), key=lambda s: s["timestamp"])
-        ]
-        if (GENERIC_CANCEL in [m for _, m in history] and history[-1][1] != GENERIC_CANCEL) or (
-            time.monotonic() > deadline
-        ):
-            break
-        time.sleep(1)
-    seen["cancel_history"] = history
+    # the flow's explanation must be the last word a minute on, as a person opening the run later reads it
+    seen["cancel_history"] = cancel_history(stack, first)
     seen["cancelled_later"] = flow_run(stack, first)
     seen["after_cancel"] = mlflow_run(stack, name)
 
@@ -440,17 +441,7 @@ def test_a_continued_run_cancelled_or_killed_from_the_ui_says_so_and_closes_its_
         if how == "cancel":
             _api(stack, "POST", f"/flow_runs/{run_id}/set_state", json={"state": {"type": "CANCELLING"}})
             ended = wait_state(stack, run_id, {"CANCELLED"}, timeout=180)
-            # The runner runs the hooks once the flow's process is gone, then writes its generic Cancelled; the
-            # flow's explanation is put back over it (as for pretrain, in `interrupted`): wait for both.
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                states = sorted(
-                    _api(stack, "GET", f"/flow_run_states/?flow_run_id={run_id}"), key=lambda s: s["timestamp"]
-                )
-                said = [s["message"] for s in states]
-                if GENERIC_CANCEL in said and said[-1] != GENERIC_CANCEL:
-                    break
-                time.sleep(1)
+            cancel_history(stack, run_id)  # the runner has run the hooks, and the flow's word is back on top
         else:
             os.kill(stack.flow_run_pid(run_id, timeout=30), signal.SIGKILL)
             ended = wait_state(stack, run_id, {"CRASHED", "FAILED"}, timeout=180)
