@@ -24,6 +24,7 @@ Rank 0's output goes where the launcher's does (the job log); other ranks' to `r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import multiprocessing
@@ -271,7 +272,7 @@ def _warm_up(modules: list[str], log_dir: Path) -> Path:
     verdict = log_dir / f".warm-verdict-{os.getpid()}"
     verdict.unlink(missing_ok=True)
     os.environ[VERDICT_ENV] = str(verdict)  # the server inherits the environment it starts with
-    multiprocessing.set_forkserver_preload(["infra.warm", *modules, "infra.warm_seal"])
+    multiprocessing.set_forkserver_preload(["infra.warm_open", "infra.warm", *modules, "infra.warm_seal"])
     forkserver.ensure_running()
     return verdict
 
@@ -295,12 +296,16 @@ def run(ns: argparse.Namespace) -> int:
     # First, before this process imports torch: the server's imports (most of a launch's start) overlap its own.
     verdict = _warm_up(ns.warm.split(","), log_dir) if warm else None
 
+    gc.disable()  # torch's agent imports faster without the collector walking them (infra/warm_open.py); frozen after
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     import infra.warm  # noqa: F401 -- PYTORCH_NVML_BASED_CUDA_CHECK for the forkserver too, before torch sees a GPU
+
+    gc.freeze()
+    gc.enable()
 
     # Each launch's rank 0 hosts the training store itself (trainers/rendezvous.py binds it where it must listen),
     # on a port rank 0's agent picks: the agent's rendezvous store stays the agent's.

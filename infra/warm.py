@@ -20,6 +20,7 @@ before anything else in the server.
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import sys
@@ -78,6 +79,7 @@ def _as_composer_expects() -> None:
 def run_rank(module: str, argv: list[str], local_rank: str) -> None:
     """A rank's entry: `python -m module argv` in this process, forked from the warm server. Local rank 0 writes
     which start was used to the launch log."""
+    gc.enable()  # off in the server since infra/warm_open.py; its imports were frozen before this fork (warm_seal)
     say_start = local_rank == "0"
     _as_composer_expects()
     problem = sealed()
