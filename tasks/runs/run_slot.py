@@ -40,6 +40,10 @@ from trainers.contract import OneLineError
 # renewal runs at 3/4 of it, and the server's repossessor frees expired ones every 15 s.
 LEASE_S = 60.0
 REFUSE_AFTER_S = 5.0
+# Prefect's timeout covers the whole acquisition, its HTTP calls included: a loaded server that takes longer than
+# REFUSE_AFTER_S to answer times out a slot nobody holds (a CI run refused a lone run so, 2026-11-29). A slot found
+# free (or reclaimed) after a timeout is asked for again this long before the run is refused as unanswered.
+SLOW_SERVER_S = 60.0
 # A run that has just taken the slot tags itself within milliseconds; a slot that still has no live
 # holder this long after it was first seen holderless is orphaned, not being taken.
 RECLAIM_CONFIRM_S = 2.0
@@ -48,7 +52,7 @@ LIVE_STATES = ("PENDING", "RUNNING", "CANCELLING", "PAUSED")
 
 
 class RunBusy(OneLineError, RuntimeError):
-    """Another flow run holds this run name; str() is one line naming it."""
+    """Another flow run holds this run name (or the server never granted its free slot); str() is one line."""
 
 
 def limit_name(run_name: str) -> str:
@@ -230,15 +234,34 @@ def one_per_run(run_name: str, if_running: Literal["refuse", "wait"], flow_run_i
     reclaim_orphaned(run_name, flow_run_id)
     if if_running == "wait":
         get_run_logger().info("run %s: waiting for the run name to be free (concurrency limit %s)", run_name, name)
+    patience = REFUSE_AFTER_S if if_running == "refuse" else WAIT_ROUND_S
     with contextlib.ExitStack() as stack:
         while True:
             try:
-                stack.enter_context(slot(REFUSE_AFTER_S if if_running == "refuse" else WAIT_ROUND_S))
+                stack.enter_context(slot(patience))
                 break
             except slot_timeout():
                 if reclaim_orphaned(run_name, flow_run_id):
+                    patience = max(patience, SLOW_SERVER_S)
                     continue
                 if if_running == "wait":
+                    continue
+                if _held_slots(name) == 0:  # nobody holds it: the server was too slow to grant it in time
+                    if patience >= SLOW_SERVER_S:
+                        raise RunBusy(
+                            f"run {run_name!r} was not started: the Prefect server did not grant its free slot "
+                            f"(concurrency limit {name}) within {patience:.0f} s; it is overloaded or unreachable, "
+                            "so start the run again once it answers"
+                        ) from None
+                    get_run_logger().warning(
+                        "run %s: the Prefect server did not grant the free slot of concurrency limit %s within "
+                        "%.0f s (a slow server, not another run); asking again for up to %.0f s",
+                        run_name,
+                        name,
+                        patience,
+                        SLOW_SERVER_S,
+                    )
+                    patience = SLOW_SERVER_S
                     continue
                 raise RunBusy(
                     f"run {run_name!r} is already running in {live_holder(run_name, flow_run_id)}; wait for it to "
