@@ -41,16 +41,24 @@ def _api(stack, method: str, path: str, **kw):
     return response.json() if response.content else None
 
 
-def trigger(stack, **params) -> str:
-    """Create a flow run of the pretrain deployment with these form values, as the UI's Run button does."""
+def trigger(stack, env: dict[str, str] | None = None, **params) -> str:
+    """Create a flow run of the pretrain deployment with these form values, as the UI's Run button does; `env`:
+    the run's own environment variables (the process work pool's `env` job variable, the UI's custom run)."""
     deployment = _api(stack, "GET", f"/deployments/name/{DEPLOYMENT}")
+    body = {"parameters": {"params": {"recipe": str(stack.recipe), **params}}}
     run = _api(
         stack,
         "POST",
         f"/deployments/{deployment['id']}/create_flow_run",
-        json={"parameters": {"params": {"recipe": str(stack.recipe), **params}}},
+        json=body | ({"job_variables": {"env": env}} if env else {}),
     )
     return run["id"]
+
+
+# The cancelled and the killed run of `chain` are stopped mid-stage literary, once a checkpoint is in. On a quiet
+# machine the tiny model trains the rest of the stage (8 steps after 16,384 tokens) faster than the test can see the
+# checkpoint and act, so those two runs step slower (trainers/faults.py: a sleep per step, the same numbers).
+MID_STAGE = {"TESSERA_FAULT": "slow:0.5"}
 
 
 def flow_run(stack, run_id: str) -> dict:
@@ -144,7 +152,7 @@ def interrupted(live_stack):
     Returns what each step observed; the tests below assert on it.
     """
     stack, name, seen = live_stack, "chain", {}
-    first = trigger(stack, run_name=name, **SHORT)
+    first = trigger(stack, env=MID_STAGE, run_name=name, **SHORT)
     wait_for_checkpoint(stack, name, 8192)
     assert trainer_pids(stack, name), "the trainer should be running mid-stage"
     cancelled_at = time.monotonic()
@@ -168,7 +176,7 @@ def interrupted(live_stack):
     seen["cancelled_later"] = flow_run(stack, first)
     seen["after_cancel"] = mlflow_run(stack, name)
 
-    second = trigger(stack, run_name=name, if_running="wait", **SHORT)
+    second = trigger(stack, env=MID_STAGE, run_name=name, if_running="wait", **SHORT)
     wait_for_checkpoint(stack, name, 16384)
     pid = stack.flow_run_pid(second, timeout=30)
     assert pid is not None and trainer_pids(stack, name)

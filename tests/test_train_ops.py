@@ -282,7 +282,13 @@ def test_one_trainer_per_run_name(reference, tmp_path, source):
 
     relaunch = run_stage(job_path, 0, env={"TESSERA_LEASE_WAIT_S": "0"})  # no waiting: the kernel dropped the lock
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
-    assert f"stage ops (0): resume at {last} tokens" in relaunch.stderr and "waiting up to" not in relaunch.stderr
+    # The kill can land between a checkpoint's last byte and its manifest (seen in CI once training got faster):
+    # the relaunch then re-derives that manifest and resumes from the next checkpoint, one save interval later.
+    rederived = re.search(r"checkpoint \S+-tok(\d+)-rank0\.pt had no manifest but verifies", relaunch.stderr)
+    resumed_at = last if rederived is None else int(rederived[1])
+    assert resumed_at in (last, last + LEASE_EVERY * STEP), relaunch.stderr[-3000:]
+    assert f"stage ops (0): resume at {resumed_at} tokens" in relaunch.stderr, relaunch.stderr[-3000:]
+    assert "waiting up to" not in relaunch.stderr
 
     ref_job, _ = reference
     mine, ref = _final_model(job), _final_model(ref_job)
