@@ -142,6 +142,11 @@ def _supervised(tmp_path: Path, commands: list, hup_ignored: bool = False) -> Co
     while "ready" not in command.text():
         assert time.monotonic() < deadline and command.process.poll() is None, command.text()
         time.sleep(0.05)
+    # `sh` exits right after forking its background child, which may not have exec'd `sleep` yet on a busy
+    # machine (CI once saw it still as `sh -c ...`): wait for the exec, so the count below is of what ran
+    while sum(c.startswith("sleep 600") for c in _tagged(command.tag).values()) < 2:
+        assert time.monotonic() < deadline and command.process.poll() is None, command.text()
+        time.sleep(0.05)
     return command
 
 
