@@ -121,12 +121,14 @@ def tiny_raw() -> dict:
     return raw
 
 
-def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
+def tiny_recipe(base: Path, data_root: Path | None = None, prefect_db: bool = True) -> Path:
     """configs/tiny.yaml (with the tests' small tokenizer) with its work dir, data root, MLflow store and artifacts
-    under `base`."""
+    under `base`; with `prefect_db`, the work dir holds a migrated Prefect database (tests/support/prefect_home.py)
+    for the server a command starts there."""
     import yaml
 
     from tests.support.mlflow_store import sqlite_store
+    from tests.support.prefect_home import seed_prefect_home
 
     raw = tiny_raw()
     raw["work_dir"] = str(base / "work")
@@ -135,6 +137,8 @@ def tiny_recipe(base: Path, data_root: Path | None = None) -> Path:
     raw["tracking"]["artifact_location"] = str(base / "mlartifacts")
     path = base / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    if prefect_db:
+        seed_prefect_home(base / "work" / "prefect")
     return path
 
 
@@ -149,8 +153,11 @@ def _die_with_parent() -> None:
 
 def start_tessera_up(recipe: Path, work_dir: Path, *args: str) -> tuple[subprocess.Popen, int, int, Path]:
     """`tessera up RECIPE` on free ports as a child of this process; returns it, its two ports, its output file."""
+    from tests.support.prefect_home import seed_prefect_home
+
     prefect_port, mlflow_port = free_port(), free_port()
     output = work_dir.parent / f"tessera-up-{prefect_port}.out"
+    seed_prefect_home(work_dir / "prefect")  # where cli/up_plan.py puts the server's home
     with open(output, "wb") as out:
         process = subprocess.Popen(
             [

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from tests.conftest import ROOT, tiny_recipe
+from tests.support.prefect_home import seed_prefect_home
 from tests.test_data_helpers import tessera
 from tests.test_model_code import _hf_with_auto_map, _mlflow_with_code, _OpensAFile
 
@@ -61,7 +62,7 @@ def cases(tmp_path_factory) -> dict[str, Path]:
     bad = base / "bad.yaml"
     bad.write_text("name: bad\ndata:\n  seq_len: [oops\n")
     out["bad_recipe"] = bad
-    recipe = tiny_recipe(base / "tiny")
+    recipe = tiny_recipe(base / "tiny", prefect_db=False)  # each test's own work dir gets one (_own_work_dir)
     raw = yaml.safe_load(recipe.read_text())
     raw["work_dir"] = str(base / "work")
     recipe.write_text(yaml.safe_dump(raw))
@@ -127,6 +128,8 @@ ROWS = [
 def test_every_refusal_is_one_line_with_no_traceback_and_nothing_run(cases, tmp_path, name, argv, code, says, early):
     fmt = {k: str(v) for k, v in cases.items()}
     fmt |= {k: _own_work_dir(cases[k], tmp_path) for k in ("recipe", "missing_source")}
+    if not early:  # a refusal that comes from the server's side: the server starts on a migrated database
+        seed_prefect_home(tmp_path / "work" / "prefect")
     args = [a.format(**fmt) for a in argv]
     if args[0] == "eval":
         args += ["--work-dir", str(tmp_path / "work")]

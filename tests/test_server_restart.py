@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, answers, free_port, stop_tree, tiny_recipe
+from tests.support.prefect_home import seed_prefect_home
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ OUTAGE_S = 65.0  # longer than tasks/exclusive.LEASE_S: the flow's lease expires
 
 
 def start_server(home: Path, port: int, log: Path) -> subprocess.Popen:
+    seed_prefect_home(home)
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),

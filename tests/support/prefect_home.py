@@ -1,0 +1,68 @@
+"""Prefect homes whose database is already migrated, for tests.
+
+A `tessera` command with no Prefect server configured starts Prefect's temporary server on <work_dir>/prefect
+(tasks/runs/runtime.work_prefect_home), and `tessera up` its server there too. On a new sqlite file the server first
+runs Prefect's whole Alembic history, one revision at a time: about half of the ~8.5 s of CPU a server start costs on
+the CI machine, paid by each of the ~30 servers a suite starts. `seed_prefect_home` instead copies a database
+migrated once per Prefect version into the home: the server finds it at the head revision and goes on as it does on
+every start (block registration, services), exactly as on a database an earlier run left there.
+
+Only for homes a test means to start a server in: tests of refusals that must not even create the home
+(test_refusals.py's early refusals) leave it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+_MIGRATE = """
+import asyncio
+from prefect.server.database import provide_database_interface
+
+asyncio.run(provide_database_interface().create_db())
+"""
+
+
+@cache
+def _template() -> Path:
+    from importlib.metadata import version
+
+    from filelock import FileLock
+
+    prefect_version = version("prefect")
+    folder = Path(tempfile.gettempdir()) / "tessera-test-prefect-template"
+    folder.mkdir(exist_ok=True)
+    done = folder / f"prefect-{prefect_version}.db"
+    with FileLock(str(folder / f"prefect-{prefect_version}.lock")):  # both xdist workers may ask at once
+        if not done.exists():
+            building = folder / f"building-{os.getpid()}"
+            shutil.rmtree(building, ignore_errors=True)
+            building.mkdir()
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            env |= {"PREFECT_HOME": str(building), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            # a process of its own: the migrations' settings and engine stay out of the test's process
+            subprocess.run([sys.executable, "-c", _MIGRATE], env=env, check=True, timeout=600, capture_output=True)
+            db = building / "prefect.db"
+            with sqlite3.connect(db) as conn:  # one self-contained file: the write-ahead log folded in
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.execute("PRAGMA journal_mode=DELETE")
+            os.replace(db, done)
+            shutil.rmtree(building, ignore_errors=True)
+    return done
+
+
+def seed_prefect_home(home: Path) -> Path:
+    """`home` with a migrated Prefect database in it, unless it already has one."""
+    home = Path(home)
+    db = home / "prefect.db"
+    if not db.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_template(), db)
+    return home
