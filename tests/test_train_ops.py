@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.mlflow_store import sqlite_store
 from trainers.config import MlflowTarget, StageConfig
+from trainers.contract import WARM_MODULES
 from trainers.exit_codes import FATAL, INTERRUPTED, RETRYABLE, ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,6 +326,7 @@ def test_a_refused_lease_stops_every_rank(tmp_path, source):
             ["--job", str(job_path), "--stage", "0"],
             log_dir=logs,
             env={**ENV, "TESSERA_LEASE_WAIT_S": "1"},
+            warm=WARM_MODULES,  # as the flow launches trainers (tasks/training/train.py)
         )
         assert launched.wait(timeout=180) == ExitCode.FATAL, launched.tail(40)
         assert launched.process.returncode == ExitCode.FATAL  # rank 0's own code too, not a SIGTERM answer
@@ -400,7 +402,8 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
         "from infra.local import LocalBackend; "
         "job = LocalBackend(ComputeConfig(procs_per_node=2)).launch('trainers.train', "
         "['--job', sys.argv[1], '--stage', '0'], "
-        f"log_dir=Path(sys.argv[2]), env={ENV!r}); print(job.process.pid, flush=True); time.sleep(600)"
+        f"log_dir=Path(sys.argv[2]), env={ENV!r}, warm={WARM_MODULES!r}); print(job.process.pid, flush=True); "
+        "time.sleep(600)"
     )
     flow = subprocess.Popen(
         [sys.executable, "-c", supervisor, str(job_path), str(logs)], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -430,7 +433,7 @@ def test_a_dead_supervisor_takes_the_whole_job_down(tmp_path, source):
     assert (end["code"], end["codes"]) == (76, {"0": 76, "1": 76}), end
 
     relaunch = LocalBackend(ComputeConfig(procs_per_node=2)).launch(
-        "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=logs, env=ENV
+        "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=logs, env=ENV, warm=WARM_MODULES
     )
     assert relaunch.wait(timeout=300) == 0, relaunch.tail(40)
     with open(relaunch.log_path) as f:
@@ -471,7 +474,11 @@ def test_metrics_survive_a_tracking_server_outage(tmp_path, source, outage_s):
             "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
         }
         launched = LocalBackend(ComputeConfig()).launch(
-            "trainers.train", ["--job", str(job_path), "--stage", "0"], log_dir=tmp_path / "logs", env=env
+            "trainers.train",
+            ["--job", str(job_path), "--stage", "0"],
+            log_dir=tmp_path / "logs",
+            env=env,
+            warm=WARM_MODULES,
         )
         _wait_for(lambda: client.get_metric_history(run_id, "train/loss"), 180, "the first steps in MLflow", every=0.5)
         server.stop()
