@@ -78,7 +78,8 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_a_rerun_after_freeing_space_r
 
     from tests.support.gauntlet import cut_demo_tasks
 
-    recipe = tiny_recipe(tmp_path)  # MLflow's store beside the work dir, so only the work dir fills
+    # MLflow's store beside the work dir, so only the work dir fills; the work dir a small disk of its own, empty
+    recipe = tiny_recipe(tmp_path, prefect_db=False)
     raw = yaml.safe_load(recipe.read_text())
     raw["train"]["stages"] = [{"name": "literary", "tokens": 6144, "mixture": {"literary": 1.0}}]
     raw["eval"] |= {

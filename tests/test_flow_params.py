@@ -244,7 +244,7 @@ def test_a_run_name_that_would_leave_the_runs_folder_is_refused_in_one_line(name
     from tests.conftest import tiny_recipe
 
     assert not re.fullmatch(NAME_PATTERN, name)
-    recipe = tiny_recipe(tmp_path)
+    recipe = tiny_recipe(tmp_path, prefect_db=False)  # refused before anything is written
     assert main(["run", str(recipe), "--run-name", name]) == 2
     runs = tmp_path / "work" / "runs"
     assert capsys.readouterr().err.strip().splitlines() == [
