@@ -374,7 +374,8 @@ def test_a_kill_and_a_frozen_rank_are_relaunched_and_the_goodput_ledger_adds_up(
     log = (tmp_path / "logs" / "s" / "rank0.log").read_text()
     assert "--- rank 0: Python stacks (faulthandler)" in log and "--- rank 1: Python stacks (faulthandler)" in log
     # where rank 0 was: in the training loop, waiting for rank 1 in a collective
-    assert "in _train_loop" in log and "in all_reduce" in log
+    rank0 = log[log.index("--- rank 0: Python stacks") : log.index("--- rank 1: Python stacks")]
+    assert "in _train_loop" in rank0 and "in all_reduce" in rank0, rank0
     assert process_state(json.loads((tmp_path / "frozen.json").read_text())["pid"]) is None  # the stopped rank: gone
     assert _same_weights(job, reference)
 
