@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -197,7 +198,7 @@ def _two_ranks(rank: int, init: str, local: str, mine: bool, out: str) -> None: 
     dist.destroy_process_group()
 
 
-SPAWN_S = 180.0  # a two-rank spawn takes ~8 s; past this it is hung
+SPAWN_S = 90.0  # a two-rank spawn takes ~8 s quiet, ~30 s at load 8; past this it is hung
 
 
 def test_the_ranks_of_a_node_take_their_first_ranks_prefix_whatever_their_own_scan_finds(tmp_path):
@@ -211,9 +212,9 @@ def test_the_ranks_of_a_node_take_their_first_ranks_prefix_whatever_their_own_sc
     data = str(tmp_path / "local")
     said = {}
     for mine in (False, True):
-        out = str(tmp_path / f"{'tessera' if mine else 'streaming'}-{{}}.json")
         for attempt in (1, 2):
             store = f"file://{tmp_path / f'store-{mine}-{attempt}'}"
+            out = str(tmp_path / f"{'tessera' if mine else 'streaming'}-{attempt}-{{}}.json")  # a hang's stacks stay
             ranks = mp.spawn(_two_ranks, args=(store, data, mine, out), nprocs=2, join=False)
             deadline = time.monotonic() + SPAWN_S
             while not ranks.join(timeout=1):
@@ -221,13 +222,17 @@ def test_the_ranks_of_a_node_take_their_first_ranks_prefix_whatever_their_own_sc
                     break
             else:
                 break
-            # Both ranks hung once, 45 minutes into a full suite (where they waited goes to the .stacks files next
-            # time): a harness hang, not the prefix decision this test is about (alone it passes every time). Once more
-            # with a fresh store, as a relaunch would; a second hang fails the test.
-            stacks = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("*.stacks")))
+            # Both ranks hung once, 45 minutes into a full suite, and once at the end of one on four workers
+            # (2026-11-29, whose stacks the retry's files overwrote: one file per attempt since): a harness hang, not
+            # the prefix decision this test is about (alone it passes every time). Once more with a fresh store, as a
+            # relaunch would; a second hang fails the test. The first one's stacks go to the warnings summary.
+            stacks = "".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob(f"*-{attempt}-*.stacks")))
             for process in ranks.processes:
                 process.kill()
             assert attempt == 1, f"the two ranks hung twice; where they waited:\n{stacks}"
+            warnings.warn(
+                f"two spawned ranks hung {SPAWN_S:.0f} s and were retried; their stacks:\n{stacks}", stacklevel=1
+            )
         said[mine] = [json.loads(Path(out.format(r)).read_text()) for r in (0, 1)]
     streaming, tessera = said[False], said[True]
     assert "error" not in streaming[0] and "was not registered by local leader" in streaming[1]["error"]
