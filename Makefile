@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# Three workers on the two CI cores: with two, 19% of the cores sat idle while tests waited on servers, budgets
-# and outages (37 min, 2026-11-27); a third fills those waits. The tests' bounds are ceilings that hold at load 6.
-TEST_WORKERS ?= 3
+# Four workers on the two CI cores: with two, 19% of the cores sat idle while tests waited on servers, budgets
+# and outages (37 min, 2026-11-27); a third filled most of those waits, and with three the cores were still idle
+# 15% of the time, often all three workers waiting at once (a cron tick, a watchdog budget, an outage; 2026-11-29),
+# which a fourth fills. The tests' bounds are ceilings that hold at load 6.
+TEST_WORKERS ?= 4
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-fast test-ui bench clean

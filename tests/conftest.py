@@ -441,7 +441,7 @@ def isolated_mlflow_globals(request):
     assert not stray, f"{request.node.nodeid} fell back to MLflow's default ./mlflow.db"
 
 
-# --- xdist workers (`make test` runs pytest -n 3) ---------------------------------------------------------
+# --- xdist workers (`make test` runs pytest -n 4) ---------------------------------------------------------
 
 # The modules that use the live stack (`tessera up`, a session fixture): they run on one worker, which
 # starts it once. A module that uses it without being listed here fails at collection (below).
