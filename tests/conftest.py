@@ -446,8 +446,10 @@ def isolated_mlflow_globals(request):
 # The modules that use the live stack (`tessera up`, a session fixture): they run on one worker, which
 # starts it once. A module that uses it without being listed here fails at collection (below).
 LIVE_MODULES = {"tests/test_deploy.py", "tests/test_live_pipeline.py", "tests/test_ui.py"}
-# The longest modules, longest first: a worker takes them before the short ones, so the two finish close
-# together instead of one starting a 10-minute module at the end. Measured with --durations in CI.
+# The longest modules, longest first: a worker takes them before the short ones, so the workers finish close
+# together instead of one starting a 10-minute module at the end. Measured with --durations in CI; test_stopping,
+# test_refusals and test_shm (alphabetically late, so last) were still running alone at the end of a four-worker
+# suite (2026-11-29).
 _LONGEST_FIRST = [
     "live",
     "test_train.py",
@@ -464,6 +466,9 @@ _LONGEST_FIRST = [
     "test_data_check.py",
     "test_data_interrupt.py",
     "test_exclusive.py",
+    "test_stopping.py",
+    "test_refusals.py",
+    "test_shm.py",
     "test_register.py",
     "test_promote_in_pods.py",
     "test_remote_folder.py",
