@@ -10,33 +10,27 @@ as it would in a new file.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sqlite3
-import tempfile
 from functools import cache
 from pathlib import Path
+
+from tests.support.store_template import built_once
 
 
 @cache
 def _template() -> Path:
-    from filelock import FileLock
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.version import VERSION
 
-    folder = Path(tempfile.gettempdir()) / "tessera-test-mlflow-template"
-    folder.mkdir(exist_ok=True)
-    done = folder / f"mlflow-{VERSION}.db"
-    with FileLock(str(folder / f"mlflow-{VERSION}.lock")):  # both xdist workers may ask at once
-        if not done.exists():
-            building = folder / f"building-{os.getpid()}.db"
-            building.unlink(missing_ok=True)
-            store = SqlAlchemyStore(f"sqlite:///{building}", str(folder / "artifacts"))
-            store.engine.dispose()
-            with sqlite3.connect(building) as conn:
-                conn.execute("DELETE FROM experiments")  # the opener makes its own, with its artifact root
-            os.replace(building, done)
-    return done
+    def build(path: Path) -> None:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        store = SqlAlchemyStore(f"sqlite:///{path}", str(path.parent / "artifacts"))
+        store.engine.dispose()
+        with sqlite3.connect(path) as conn:
+            conn.execute("DELETE FROM experiments")  # the opener makes its own, with its artifact root
+
+    return built_once("mlflow", VERSION, build)
 
 
 def sqlite_store(db: Path) -> str:

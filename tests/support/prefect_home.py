@@ -18,9 +18,10 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
+
+from tests.support.store_template import built_once
 
 _MIGRATE = """
 import asyncio
@@ -34,28 +35,21 @@ asyncio.run(provide_database_interface().create_db())
 def _template() -> Path:
     from importlib.metadata import version
 
-    from filelock import FileLock
+    def build(path: Path) -> None:
+        home = path.with_suffix(".home")
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env |= {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        # a process of its own: the migrations' settings and engine stay out of the test's process
+        subprocess.run([sys.executable, "-c", _MIGRATE], env=env, check=True, timeout=600, capture_output=True)
+        with sqlite3.connect(home / "prefect.db") as conn:  # one self-contained file: the write-ahead log folded in
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.execute("PRAGMA journal_mode=DELETE")
+        os.replace(home / "prefect.db", path)
+        shutil.rmtree(home, ignore_errors=True)
 
-    prefect_version = version("prefect")
-    folder = Path(tempfile.gettempdir()) / "tessera-test-prefect-template"
-    folder.mkdir(exist_ok=True)
-    done = folder / f"prefect-{prefect_version}.db"
-    with FileLock(str(folder / f"prefect-{prefect_version}.lock")):  # both xdist workers may ask at once
-        if not done.exists():
-            building = folder / f"building-{os.getpid()}"
-            shutil.rmtree(building, ignore_errors=True)
-            building.mkdir()
-            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-            env |= {"PREFECT_HOME": str(building), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-            # a process of its own: the migrations' settings and engine stay out of the test's process
-            subprocess.run([sys.executable, "-c", _MIGRATE], env=env, check=True, timeout=600, capture_output=True)
-            db = building / "prefect.db"
-            with sqlite3.connect(db) as conn:  # one self-contained file: the write-ahead log folded in
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                conn.execute("PRAGMA journal_mode=DELETE")
-            os.replace(db, done)
-            shutil.rmtree(building, ignore_errors=True)
-    return done
+    return built_once("prefect", version("prefect"), build)
 
 
 def seed_prefect_home(home: Path) -> Path:
