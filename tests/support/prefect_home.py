@@ -2,13 +2,14 @@
 
 A `tessera` command with no Prefect server configured starts Prefect's temporary server on <work_dir>/prefect
 (tasks/runs/runtime.work_prefect_home), and `tessera up` its server there too. On a new sqlite file the server first
-runs Prefect's whole Alembic history, one revision at a time: about half of the ~8.5 s of CPU a server start costs on
-the CI machine, paid by each of the ~30 servers a suite starts. `seed_prefect_home` instead copies a database
-migrated once per Prefect version into the home: the server finds it at the head revision and goes on as it does on
-every start (block registration, services), exactly as on a database an earlier run left there.
+runs Prefect's whole Alembic history, one revision at a time: a temporary server took about 8 CPU s on a new file and
+about 5 on a copy of a migrated one (this 2-core machine, 2026-11-29), paid by each of the ~30 servers a suite
+starts. `seed_prefect_home` instead copies a database migrated once per Prefect version into the home: the server
+finds it at the head revision and goes on as it does on every start (block registration, services), exactly as on a
+database an earlier run left there.
 
-Only for homes a test means to start a server in: tests of refusals that must not even create the home
-(test_refusals.py's early refusals) leave it alone.
+Only for homes a test means to start a server in: tests whose work dir must stay empty or be a disk of its own
+(test_refusals.py's early refusals, test_flow_params.py's refused run names, test_disk_full.py) leave it alone.
 """
 
 from __future__ import annotations
