@@ -8,10 +8,7 @@ MLflow store; the slow one kills real trainers across a real `mlflow server` out
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -206,7 +203,7 @@ def test_every_step_reaches_mlflow_once_across_an_outage_and_group_restarts_on_f
     a re-trained step."""
     from mlflow.tracking import MlflowClient
 
-    from tests.support.training import ROOT, MlflowServer, run_stage, write_job, write_mds
+    from tests.support.training import MlflowServer, run_stage, start_stage, write_job, write_mds
 
     steps, every = 40, 8
     moto_s3.create_bucket(Bucket=BUCKET)
@@ -227,14 +224,8 @@ def test_every_step_reaches_mlflow_once_across_an_outage_and_group_restarts_on_f
 
         # Every save hangs a while before it writes: killed in the one at step 16, after its steps reached
         # MLflow, the launch leaves steps 9-16 delivered and its newest checkpoint at step 8.
-        with open(tmp_path / "first.log", "w") as out:
-            first = subprocess.Popen(
-                [sys.executable, "-m", "trainers.train", "--job", str(job_path), "--stage", "0"],
-                cwd=ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", **env, "TESSERA_FAULT": "stall-save:20"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        log = tmp_path / "first.log"
+        first = start_stage(job_path, 0, env={**env, "TESSERA_FAULT": "stall-save:20"}, stdout=log, stderr=log)
         try:
             deadline = time.monotonic() + 240
             while 16 * STEP not in {m.step for m in client.get_metric_history(run_id, "train/loss")}:

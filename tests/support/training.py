@@ -5,6 +5,7 @@ Nothing here is used by training itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -120,8 +121,9 @@ def write_job(job: TrainJob, path: str | Path) -> Path:
 def run_stage(
     job_path: str | Path, stage: int, *, procs: int = 1, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """Run `python -m trainers.train` as the flow would (through infra/launcher.py, ranks forked warm, when procs > 1;
-    no restarts in place: each test says what a launch's end is)."""
+    """Run `python -m trainers.train` as the flow would: forked warm, through infra/launcher.py when procs > 1 (no
+    restarts in place: each test says what a launch's end is), from this worker's warm process when one rank
+    (tests/support/warm_fork.py; a fresh interpreter when the environment rules that out)."""
     args = ["--job", str(job_path), "--stage", str(stage)]
     if procs == 1:
         cmd = [sys.executable, "-m", "trainers.train", *args]
@@ -142,16 +144,48 @@ def run_stage(
             "trainers.train",
             *args,
         ]
+    full_env = _trainer_env(env)
+    if procs == 1:
+        from tests.support.warm_fork import run_trainer
+
+        forked = run_trainer(args, full_env, ROOT, timeout)
+        if forked is not None:
+            return forked
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _trainer_env(env: dict[str, str] | None) -> dict[str, str]:
     # One intra-op thread: tiny matmuls gain nothing from two, and on a shared CI box spinning
     # OpenMP workers make every step several times slower.
-    full_env = {
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_stage(
+    job_path: str | Path, stage: int, *, env: dict[str, str] | None = None, stdout: Path | None, stderr: Path | None
+):
+    """Start one rank of `python -m trainers.train` as run_stage runs it, without waiting: its output in `stdout` and
+    `stderr` (None: discarded; the same path: one file). A subprocess.Popen, or a Popen-like ForkedTrainer."""
+    from tests.support.warm_fork import start_trainer
+
+    args = ["--job", str(job_path), "--stage", str(stage)]
+    full_env = _trainer_env(env)
+    forked = start_trainer(args, full_env, ROOT, stdout, stderr)
+    if forked is not None:
+        return forked
+    cmd = [sys.executable, "-m", "trainers.train", *args]
+    with contextlib.ExitStack() as files:  # the child has its own copies once started
+        out = files.enter_context(open(stdout, "wb")) if stdout is not None else subprocess.DEVNULL
+        if stderr is not None and stderr == stdout:
+            err = subprocess.STDOUT
+        else:
+            err = files.enter_context(open(stderr, "wb")) if stderr is not None else subprocess.DEVNULL
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=err)
 
 
 def can_unshare_mounts() -> bool:
