@@ -76,10 +76,29 @@ def _as_composer_expects() -> None:
     os.environ["NODE_RANK"] = os.environ.get("GROUP_RANK", "0")
 
 
+def _own_resource_tracker() -> None:
+    """This rank gets a multiprocessing resource tracker of its own, as a rank in its own interpreter had.
+
+    A forked or spawned child inherits its launcher's, and Streaming's shared memory registers with it (the node's
+    first rank creates the segments, `<prefix>_locals` and the rest). A rank killed -9, or ending as every
+    multiprocessing child does (os._exit: Streaming's atexit cleanup never runs), leaves its segments registered
+    there until the launcher exits. trainers/shm.py meanwhile finds them stale and frees their prefix for another
+    launch on the host; the launcher's exit then unlinks those names under that launch's live ranks. A rank's own
+    tracker unlinks what the rank left as soon as it ends, before anyone can take the prefix.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    inherited, tracker._fd = tracker._fd, None  # the next registration starts this rank's own (ensure_running)
+    if inherited is not None:
+        os.close(inherited)
+
+
 def run_rank(module: str, argv: list[str], local_rank: str) -> None:
     """A rank's entry: `python -m module argv` in this process, forked from the warm server. Local rank 0 writes
     which start was used to the launch log."""
     gc.enable()  # off in the server since infra/warm_open.py; its imports were frozen before this fork (warm_seal)
+    _own_resource_tracker()
     say_start = local_rank == "0"
     _as_composer_expects()
     problem = sealed()
@@ -98,6 +117,7 @@ def run_rank(module: str, argv: list[str], local_rank: str) -> None:
 
 def run_cold(module: str, argv: list[str], local_rank: str) -> None:
     """A rank's entry in a fresh interpreter (start method spawn): the same command. The launcher says why."""
+    _own_resource_tracker()
     _as_composer_expects()
     torch.set_num_threads(_THREADS)
     sys.argv = [module, *argv]

@@ -5,6 +5,9 @@ sleep S    every rank sleeps S seconds
 peer N     rank 1 exits N; rank 0 waits, answering the launcher's SIGTERM with 76 (interrupted) as the trainer does
 freeze S   every rank starts its heartbeat (phase startup); rank 1 stops itself (SIGSTOP), rank 0 sleeps S seconds
 gc N       every rank says whether its cyclic collector is on and how many objects it holds frozen, then exits N
+shm S      in the launch's first attempt, rank 0 makes the shared memory TESSERA_TEST_SHM names (as Streaming's first
+           rank of a node does) and kills itself (-9); every other rank, and every rank of a restart, exits 0 once
+           the file TESSERA_TEST_GO exists (at most S seconds)
 """
 
 import gc
@@ -28,6 +31,16 @@ if __name__ == "__main__":
         print(f"rank={rank} gc={gc.isenabled()} frozen={gc.get_freeze_count()}", flush=True)
     if mode == "sleep":
         time.sleep(value)
+    if mode == "shm" and rank == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        from multiprocessing.shared_memory import SharedMemory
+
+        SharedMemory(os.environ["TESSERA_TEST_SHM"], create=True, size=64)  # registered with this rank's tracker
+        print("rank=0 made its shared memory", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "shm":
+        deadline = time.monotonic() + value
+        while not os.path.exists(os.environ["TESSERA_TEST_GO"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if mode == "peer":
         if rank == "1":
             time.sleep(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,47 @@ def test_two_ranks_get_distributed_env_and_exit_code(tmp_path, monkeypatch):
     while live_group_members(job.process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert live_group_members(job.process.pid) == []
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["forked", "spawned"])
+def test_a_ranks_shared_memory_goes_with_it_and_the_launchers_end_unlinks_no_one_elses(tmp_path, monkeypatch, warm):
+    """Rank 0 makes shared memory, as Streaming's first rank of a node does, and is killed -9; the ranks restart in
+    place. Its segment is unlinked by then (its own resource tracker), not when the launcher exits. A segment
+    another process then makes under that name (another launch on the host, given the freed prefix) outlives the
+    launcher."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    monkeypatch.chdir(ROOT)
+    name, go = f"tessera-test-{os.getpid()}-{warm}", tmp_path / "go"
+    segment = Path("/dev/shm") / name
+    job = backend_for(ComputeConfig(procs_per_node=2, restarts_in_place=1)).launch(
+        "tests.launch_probe",
+        ["shm", "120"],
+        log_dir=tmp_path,
+        env={"TESSERA_TEST_SHM": name, "TESSERA_TEST_GO": str(go)},
+        warm=("tests.launch_probe",) if warm else (),
+    )
+    other = None
+    try:
+        deadline = time.monotonic() + 120
+        while "rank=0 made its shared memory" not in job.log_path.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, job.tail()
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while segment.exists():
+            assert time.monotonic() < deadline, "rank 0 was killed and its segment stays until the launcher exits"
+            time.sleep(0.1)
+        assert job.poll() is None  # the launcher lives on: its restarted ranks wait
+        other = SharedMemory(name, create=True, size=64)
+        go.touch()
+        assert job.wait(timeout=120) == 0, job.tail()
+        assert [(r.cause, r.rank, r.code) for r in job.restarts] == [("crashed", 0, -9)]
+        assert segment.exists()  # the launcher's end left it alone
+    finally:
+        job.cancel()  # only does something if an assertion above failed
+        if other is not None:
+            other.close()
+            other.unlink()
 
 
 def test_the_first_failing_rank_sets_the_exit_code(tmp_path, monkeypatch):
