@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -186,8 +187,13 @@ def _two_ranks(rank: int, init: str, local: str, mine: bool, out: str) -> None: 
         scan = prefix._check_and_find_retrying
         prefix._check_and_find_retrying = lambda *a, **k: scan(*a, **k) + 5
     choose = ours.get_shm_prefix if mine else shared.get_shm_prefix
+    # Streaming's own choice scans then creates outside tessera's host-wide lock: a trainer of another test that
+    # registers the prefix rank 0 just found fails it with FileExistsError (once in a suite). Holding that lock
+    # keeps the suite's trainers out while rank 0 chooses; the split this test shows is the +5 above.
+    guard = ours._host_lock() if rank == 0 and not mine else contextlib.nullcontext()
     try:
-        found, shm = choose([local], [None], SimpleNamespace(is_local_leader=rank == 0))
+        with guard:
+            found, shm = choose([local], [None], SimpleNamespace(is_local_leader=rank == 0))
         result = {"prefix": found}
     except RuntimeError as exc:
         result = {"error": str(exc)}
