@@ -124,9 +124,11 @@ def run_stage(
     """Run `python -m trainers.train` as the flow would: forked warm, through infra/launcher.py when procs > 1 (no
     restarts in place: each test says what a launch's end is), from this worker's warm process when one rank
     (tests/support/warm_fork.py; a fresh interpreter when the environment rules that out)."""
+    from tests.support.warm_fork import run_trainer, trainer_command
+
     args = ["--job", str(job_path), "--stage", str(stage)]
     if procs == 1:
-        cmd = [sys.executable, "-m", "trainers.train", *args]
+        cmd = trainer_command(args)
     else:
         logs = Path(job_path).parent / "logs"
         logs.mkdir(exist_ok=True)
@@ -146,8 +148,6 @@ def run_stage(
         ]
     full_env = _trainer_env(env)
     if procs == 1:
-        from tests.support.warm_fork import run_trainer
-
         forked = run_trainer(args, full_env, ROOT, timeout)
         if forked is not None:
             return forked
@@ -171,14 +171,14 @@ def start_stage(
 ):
     """Start one rank of `python -m trainers.train` as run_stage runs it, without waiting: its output in `stdout` and
     `stderr` (None: discarded; the same path: one file). A subprocess.Popen, or a Popen-like ForkedTrainer."""
-    from tests.support.warm_fork import start_trainer
+    from tests.support.warm_fork import start_trainer, trainer_command
 
     args = ["--job", str(job_path), "--stage", str(stage)]
     full_env = _trainer_env(env)
     forked = start_trainer(args, full_env, ROOT, stdout, stderr)
     if forked is not None:
         return forked
-    cmd = [sys.executable, "-m", "trainers.train", *args]
+    cmd = trainer_command(args)
     with contextlib.ExitStack() as files:  # the child has its own copies once started
         out = files.enter_context(open(stdout, "wb")) if stdout is not None else subprocess.DEVNULL
         if stderr is not None and stderr == stdout:

@@ -59,6 +59,11 @@ def forkable(env: Mapping[str, str]) -> bool:
     return all(k.startswith(CALL_TIME_PREFIXES) for k in differ)
 
 
+def trainer_command(argv: Sequence[str]) -> list[str]:
+    """The command line a one-rank trainer runs as, in a fresh interpreter (and names itself by, forked)."""
+    return [sys.executable, "-m", "trainers.train", *argv]
+
+
 def _trainer(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In the forked child: the trainer's environment, folder and output files, then the warm rank's entry."""
     import io
@@ -122,7 +127,7 @@ def start_trainer(
         target=_trainer, args=(list(argv), dict(env), str(cwd), out, err), name="trainer"
     )
     child.start()
-    return ForkedTrainer([sys.executable, "-m", "trainers.train", *argv], child)
+    return ForkedTrainer(trainer_command(argv), child)
 
 
 def run_trainer(
