@@ -154,16 +154,14 @@ def run_stage(
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+# One intra-op thread: tiny matmuls gain nothing from two, and on a shared CI box spinning
+# OpenMP workers make every step several times slower. The tests' warm process starts with it too
+# (tests/support/warm_fork.py), so their trainers' environments match it.
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def _trainer_env(env: dict[str, str] | None) -> dict[str, str]:
-    # One intra-op thread: tiny matmuls gain nothing from two, and on a shared CI box spinning
-    # OpenMP workers make every step several times slower.
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        **(env or {}),
-    }
+    return {**os.environ, **TRAINER_ENV, **(env or {})}
 
 
 def start_stage(

@@ -29,8 +29,6 @@ from trainers.contract import WARM_MODULES
 # by trainers/format/s3.py, Composer's and Streaming's s3 clients; MLFLOW_* by MLflow's environment_variables
 # getters. PYTEST_CURRENT_TEST changes with every test and nothing reads it.
 CALL_TIME_PREFIXES = ("TESSERA_", "AWS_", "S3_ENDPOINT_URL", "MLFLOW_", "PYTEST_CURRENT_TEST")
-# The server starts with these, as every trainer of these tests runs with them (tests/support/training.run_stage).
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 _STARTED: list[dict[str, str]] = []  # the environment the server started with, once it has
 
 
@@ -41,7 +39,9 @@ def _server_env() -> dict[str, str]:
         from multiprocessing import forkserver
 
         saved = dict(os.environ)
-        os.environ.update(SERVER_ENV)  # the server inherits the environment it starts with
+        from tests.support.training import TRAINER_ENV
+
+        os.environ.update(TRAINER_ENV)  # the server inherits the environment it starts with, as the trainers run
         try:
             multiprocessing.set_forkserver_preload(["infra.warm_open", "infra.warm", *WARM_MODULES, "infra.warm_seal"])
             forkserver.ensure_running()
